@@ -1,0 +1,801 @@
+"""Workload YAML -> validated pydantic models, with `--set` overrides and one-line
+`FILE:LINE:COL: dotted.key: message` errors (DESIGN.md sections 3 and 4)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+import types
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, NamedTuple, Union, get_args, get_origin
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from kvbench.errors import InputError
+
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1}
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e15` and `3.35e12` as floats: YAML 1.1 wants `1.0e+15`, and
+    strict validation would reject the string that plain PyYAML makes of them."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
+)
+
+
+class _BadKey(ValueError):
+    """A dotted key that names no workload field, or cannot be set in the data."""
+
+
+def _show(value: Any) -> str:
+    """Render an offending value for `(got VALUE)`, short enough for one line."""
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, str):
+        text = repr(value)
+    else:
+        text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_positive_int(value: Any) -> bool:
+    # bool is an int subclass, and `true` must not silently mean a window of 1.
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _require_number(value: Any) -> Any:
+    # Checked before the int|float union so a bad value gets one clear message instead of one
+    # error per union member.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number (got {_show(value)})")
+    return value
+
+
+Number = Annotated[Union[int, float], BeforeValidator(_require_number)]
+
+
+class _Section(BaseModel):
+    # strict: YAML already types its scalars, so "32" or true where an int belongs is a mistake.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelConfig(_Section):
+    """Attention shape of the served model."""
+
+    num_layers: int = Field(32, gt=0, description="Number of transformer layers.")
+    num_kv_heads: int = Field(8, gt=0, description="Number of KV heads per layer.")
+    num_q_heads: int = Field(
+        32,
+        gt=0,
+        validate_default=True,
+        description="Number of query heads; a multiple of num_kv_heads.",
+    )
+    head_dim: int = Field(128, gt=0, description="Dimension of one attention head.")
+    dtype: Literal["float16", "bfloat16", "float32", "fp8"] = Field(
+        "bfloat16", description="KV cache element type."
+    )
+    attention_window: Union[PositiveInt, list[Union[PositiveInt, None]], None] = Field(
+        None,
+        description="Sliding window in tokens: int, or list of int/null repeated over layers"
+        " (null = full attention).",
+    )
+    hidden_size: int | None = Field(
+        None, gt=0, description="Model hidden size, for the step-time cost model."
+    )
+    intermediate_size: int | None = Field(
+        None, gt=0, description="MLP intermediate size, for the step-time cost model."
+    )
+    num_params: float | None = Field(
+        None, gt=0, description="Parameter count, for the step-time cost model."
+    )
+
+    @field_validator("num_q_heads")
+    @classmethod
+    def _q_heads_multiple(cls, value: int, info: ValidationInfo) -> int:
+        kv_heads = info.data.get("num_kv_heads")
+        if kv_heads is not None and value % kv_heads:
+            raise ValueError(f"expected a multiple of model.num_kv_heads={kv_heads} (got {value})")
+        return value
+
+    @field_validator("attention_window", mode="before")
+    @classmethod
+    def _check_window(cls, value: Any) -> Any:
+        if value is None or _is_positive_int(value):
+            return value
+        if isinstance(value, list) and value:
+            if all(w is None or _is_positive_int(w) for w in value):
+                return value
+        raise ValueError(
+            "expected a positive integer, null, or a non-empty list of positive integers and nulls"
+            f" (got {_show(value)})"
+        )
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """Bytes of K and V for one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[self.dtype]
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Window of each layer (None = full attention); a list repeats over layers like
+        TensorRT-LLM's max_attention_window."""
+        window = self.attention_window
+        if not isinstance(window, list):
+            return [window] * self.num_layers
+        return [window[i % len(window)] for i in range(self.num_layers)]
+
+
+class HardwareConfig(_Section):
+    """Accelerator whose speeds the step-time model uses; overrides replace the preset's values."""
+
+    preset: Literal["H100-SXM", "H200", "A100-80G", "L40S"] = Field(
+        "H100-SXM", description="Hardware preset supplying peak FLOP/s and bandwidths."
+    )
+    peak_flops: float | None = Field(None, gt=0, description="Override: peak bf16 FLOP/s.")
+    hbm_bandwidth: float | None = Field(
+        None, gt=0, description="Override: GPU memory bandwidth in bytes/s."
+    )
+    host_link_bandwidth: float | None = Field(
+        None, gt=0, description="Override: GPU<->host copy bandwidth in bytes/s."
+    )
+    step_overhead_ms: float | None = Field(
+        None, ge=0, description="Override: fixed overhead per step in ms."
+    )
+
+
+class CacheConfig(_Section):
+    """Paged KV cache; keys mean what they mean in TensorRT-LLM's KvCacheConfig."""
+
+    tokens_per_block: int = Field(32, gt=0, description="Block size in tokens.")
+    max_tokens: int = Field(
+        65536,
+        gt=0,
+        validate_default=True,
+        description="GPU KV budget in tokens of the whole model"
+        " (bytes = max_tokens x KV bytes per token over all layers).",
+    )
+    host_offload_ratio: float = Field(
+        0.0, ge=0, description="Host tier capacity / GPU tier capacity; 0 = no host tier."
+    )
+    enable_block_reuse: bool = Field(True, description="Reuse cached blocks of matching prefixes.")
+    enable_partial_reuse: bool = Field(True, description="Reuse a partially matching block too.")
+    copy_on_partial_reuse: bool = Field(
+        True, description="Reuse a partially matched block that is in use by copying it."
+    )
+    add_sequence: Literal["batch", "sequential"] = Field(
+        "batch",
+        description="batch = two-phase batched add; sequential = add requests one by one.",
+    )
+    swa_scratch_reuse: bool = Field(
+        False,
+        description="Out-of-window prompt blocks of sliding-window layers share scratch slots.",
+    )
+    secondary_offload_min_priority: int = Field(
+        35,
+        ge=0,
+        le=100,
+        description="Retention priority a block needs to be offloaded to the host.",
+    )
+    release_out_of_window: Literal["keep_cached", "drop"] = Field(
+        "keep_cached",
+        description="Fate of sliding-window blocks that fall out of window: keep cached or drop.",
+    )
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _holds_a_block(cls, value: int, info: ValidationInfo) -> int:
+        tokens_per_block = info.data.get("tokens_per_block")
+        if tokens_per_block is not None and value < tokens_per_block:
+            raise ValueError(
+                f"expected at least cache.tokens_per_block={tokens_per_block} tokens (got {value})"
+            )
+        return value
+
+
+class SchedulerConfig(_Section):
+    """Serve-mode scheduler budget and delay batching."""
+
+    max_num_tokens: int = Field(8192, gt=0, description="Token budget per step (MNT).")
+    max_batch_size: int = Field(256, gt=0, description="Most requests per step.")
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
+    batch_wait_timeout_iters: int = Field(
+        0, ge=0, description="Steps a context request may be deferred to batch more; 0 = off."
+    )
+    batch_wait_max_tokens_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Stop deferring once this fraction of max_num_tokens is filled.",
+    )
+    revert_deferred_ctx: bool = Field(
+        False, description="Return blocks allocated to deferred context requests at once."
+    )
+
+
+class SyntheticConfig(_Section):
+    """Synthetic traffic generator."""
+
+    generator: Literal["shared_prefix", "multi_turn"] = Field(
+        "multi_turn", description="Traffic shape."
+    )
+    num_requests: int = Field(200, gt=0, description="Number of requests.")
+    system_prompt_tokens: int = Field(
+        1024, ge=0, description="Shared system prompt length in tokens."
+    )
+    prompt_tokens: int = Field(
+        256, gt=0, description="Mean new user tokens per request (or turn)."
+    )
+    prompt_tokens_spread: float = Field(
+        0.5, ge=0, le=1, description="Uniform +-spread of prompt_tokens, as a fraction of the mean."
+    )
+    output_tokens: int = Field(128, gt=0, description="Mean output tokens per request.")
+    num_users: int = Field(16, gt=0, description="Distinct users (sessions).")
+    turns: int = Field(4, gt=0, description="Turns per session (multi_turn).")
+    arrival: Literal["poisson", "burst"] = Field("poisson", description="Arrival process.")
+    rate: float = Field(4.0, gt=0, description="Mean arrival rate in requests/s.")
+    vocab_size: int = Field(32000, gt=0, description="Token ids are drawn from [0, vocab_size).")
+
+
+class RequestsConfig(_Section):
+    """Where requests come from."""
+
+    source: Literal["synthetic", "trace"] = Field(
+        "synthetic", description="synthetic generator or trace file."
+    )
+    format: Literal["mooncake"] = Field("mooncake", description="Trace format.")
+    path: str | None = Field(
+        None,
+        validate_default=True,
+        description="Trace file, relative to the YAML file; required when source is trace.",
+    )
+    limit: int | None = Field(None, gt=0, description="Use only the first N requests.")
+    time_scale: float = Field(1.0, gt=0, description="Arrival times are multiplied by this.")
+    synthetic: SyntheticConfig = Field(
+        default_factory=SyntheticConfig, description="Synthetic generator settings."
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _path_matches_source(cls, value: str | None, info: ValidationInfo) -> str | None:
+        source = info.data.get("source")
+        if source == "trace" and value is None:
+            raise ValueError("required when requests.source is 'trace'")
+        if source == "synthetic" and value is not None:
+            raise ValueError(f"only used when requests.source is 'trace' (got {_show(value)})")
+        return value
+
+
+class RunConfig(_Section):
+    """How the benchmark runs."""
+
+    mode: Literal["cache", "serve"] = Field(
+        "cache",
+        description="cache = replay requests one at a time; serve = iteration loop with scheduler.",
+    )
+    backend: Literal["none", "torch", "flashinfer", "auto"] = Field(
+        "none", description="Attention data plane; none = metadata only."
+    )
+    seed: int = Field(0, description="Random seed.")
+    verify: Literal["all", "sample", "off"] = Field(
+        "all", description="Which attention outputs the verifier checks."
+    )
+    progress: bool = Field(True, description="Show a progress bar.")
+
+
+class Variant(_Section):
+    """A run of the same requests with some keys overridden."""
+
+    name: str = Field(min_length=1, description="Variant name, unique within the workload.")
+    set: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides: dotted.key -> value, as with --set."
+    )
+
+
+def _check_dotted_key(key: str) -> str:
+    """Raise _BadKey unless `key` names a workload field, walking sub-models."""
+    model: type[BaseModel] | None = Workload
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if model is None:
+            raise _BadKey(f"unknown key {key}; {'.'.join(parts[:i])} has no sub-keys")
+        if part not in model.model_fields:
+            raise _BadKey(f"unknown key {key}; expected one of: {', '.join(model.model_fields)}")
+        model = _as_model(model.model_fields[part].annotation)
+    return key
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if get_origin(annotation) in (Union, types.UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        if len(members) == 1:
+            return members[0]
+    return annotation
+
+
+def _as_model(annotation: Any) -> type[BaseModel] | None:
+    annotation = _unwrap_optional(annotation)
+    # On Python 3.10 list[X] passes isinstance(..., type) but cannot be subclass-checked.
+    is_class = get_origin(annotation) is None and isinstance(annotation, type)
+    return annotation if is_class and issubclass(annotation, BaseModel) else None
+
+
+class SpaceEntry(_Section):
+    """One tuned parameter: either `choices`, or a `low`..`high` range."""
+
+    choices: list[Any] | None = Field(
+        None, min_length=1, description="Categorical values to try."
+    )
+    low: Number | None = Field(None, description="Range lower bound (inclusive).")
+    high: Number | None = Field(None, description="Range upper bound (inclusive).")
+    log: bool = Field(False, description="Sample the range on a log scale.")
+    step: Number | None = Field(None, description="Range step; null = continuous.")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> SpaceEntry:
+        # By value, not by keys given: a model_dump() round trip (variants) writes every key.
+        ranged = any(v is not None for v in (self.low, self.high, self.step)) or self.log
+        if self.choices is not None:
+            if ranged:
+                raise ValueError("expected either choices or low/high/log/step, not both")
+            return self
+        if self.low is None or self.high is None:
+            raise ValueError("expected either choices, or both low and high")
+        if self.low >= self.high:
+            raise ValueError(f"expected low < high (got low={self.low}, high={self.high})")
+        if self.step is not None and self.step <= 0:
+            raise ValueError(f"expected step > 0 (got {self.step})")
+        if self.log and self.step is not None:
+            raise ValueError("expected log or step, not both")
+        if self.log and self.low <= 0:
+            raise ValueError(f"expected low > 0 with log (got {self.low})")
+        return self
+
+
+class Objective(_Section):
+    """A metric the tuner optimizes."""
+
+    metric: str = Field(
+        min_length=1, description="Result metric name, e.g. throughput_tokens_per_s."
+    )
+    direction: Literal["maximize", "minimize"] = Field(
+        description="Whether larger or smaller is better."
+    )
+
+
+class Constraint(NamedTuple):
+    """A parsed tune constraint: `metric op value`."""
+
+    metric: str
+    op: str
+    value: float
+
+
+_CONSTRAINT = re.compile(
+    r"\s*(?P<metric>[A-Za-z_]\w*(?:\.\w+)*)\s*(?P<op><=|>=|<|>)\s*"
+    r"(?P<value>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*"
+)
+
+
+def parse_constraint(text: str) -> Constraint:
+    """Parse `metric.path OP number` (OP in <=, >=, <, >); ValueError when malformed."""
+    match = _CONSTRAINT.fullmatch(text)
+    if match is None:
+        raise ValueError(
+            f"expected 'metric.path OP number' with OP one of <=, >=, <, > (got {_show(text)})"
+        )
+    return Constraint(match["metric"], match["op"], float(match["value"]))
+
+
+def _check_constraint(text: str) -> str:
+    parse_constraint(text)
+    return text
+
+
+def _default_objectives() -> list[Objective]:
+    return [
+        Objective(metric="throughput_tokens_per_s", direction="maximize"),
+        Objective(metric="peak_gpu_bytes", direction="minimize"),
+    ]
+
+
+class TuneConfig(_Section):
+    """Optuna study over workload keys."""
+
+    space: dict[Annotated[str, AfterValidator(_check_dotted_key)], SpaceEntry] = Field(
+        min_length=1, description="Tuned parameters: dotted.key -> choices or low/high range."
+    )
+    objectives: list[Objective] = Field(
+        default_factory=_default_objectives, min_length=1, description="Metrics to optimize."
+    )
+    constraints: list[Annotated[str, AfterValidator(_check_constraint)]] = Field(
+        default_factory=list, description="Feasibility limits like 'ttft_ms.p99 <= 2000'."
+    )
+    sampler: Literal["tpe", "nsgaii", "gp", "random", "grid"] = Field(
+        "tpe", description="Optuna sampler."
+    )
+    seed: int | None = Field(None, description="Sampler seed.")
+    n_trials: int = Field(20, gt=0, description="Number of trials.")
+
+    @property
+    def parsed_constraints(self) -> list[Constraint]:
+        """The constraints as (metric path, op, value)."""
+        return [parse_constraint(text) for text in self.constraints]
+
+
+@dataclass
+class _Origin:
+    """Where each value of a loaded workload came from, to point errors at it."""
+
+    file: str | None = None
+    # path -> (key position, value position); positions are 1-based (line, column).
+    marks: dict[tuple, tuple[tuple[int, int] | None, tuple[int, int]]] = field(
+        default_factory=dict
+    )
+    set_keys: list[tuple[str, ...]] = field(default_factory=list)
+
+    def locate(self, path: tuple, at_key: bool = False) -> tuple[str | None, bool]:
+        """Location prefix for `path` and whether that prefix already names the path."""
+        # The last --set of a key wins, so it is the one to blame.
+        for key in reversed(self.set_keys):
+            if path[: len(key)] == key:
+                return f"--set {'.'.join(key)}", path == key
+            # A key missing from a mapping that no file wrote: the --set that created it did.
+            parent = path[:-1]
+            if parent and parent not in self.marks and key[: len(parent)] == parent:
+                return f"--set {'.'.join(key)}", False
+        if self.file is None:
+            return None, False
+        exact = path in self.marks
+        while path not in self.marks and path:
+            path = path[:-1]
+        key_pos, value_pos = self.marks[path]
+        line, column = key_pos if at_key and exact and key_pos else value_pos
+        return f"{self.file}:{line}:{column}", False
+
+
+class Workload(_Section):
+    """A kvbench workload: model, hardware, cache, scheduler, requests, run, variants and tune."""
+
+    name: str = Field(
+        "workload",
+        min_length=1,
+        description="Workload name shown in results; defaults to the YAML file's stem.",
+    )
+    model: ModelConfig = Field(
+        default_factory=ModelConfig,
+        description="Attention shape: layers, heads, dtype, sliding windows.",
+    )
+    hardware: HardwareConfig = Field(
+        default_factory=HardwareConfig, description="Hardware for the step-time model."
+    )
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="Paged KV cache settings.")
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig, description="Serve-mode scheduler."
+    )
+    requests: RequestsConfig = Field(default_factory=RequestsConfig, description="Request source.")
+    run: RunConfig = Field(
+        default_factory=RunConfig, description="Mode, data-plane backend, seed and verification."
+    )
+    variants: list[Variant] = Field(
+        default_factory=list,
+        description="Runs of the same requests with overrides; empty = one default run.",
+    )
+    tune: TuneConfig | None = Field(
+        None, description="Search space and objectives for `kvbench tune`."
+    )
+
+    _source_path: Path | None = PrivateAttr(None)
+    _source_text_sha256: str | None = PrivateAttr(None)
+    _origin: _Origin = PrivateAttr(default_factory=_Origin)
+
+    @field_validator("variants")
+    @classmethod
+    def _unique_names(cls, variants: list[Variant]) -> list[Variant]:
+        first_index: dict[str, int] = {}
+        for i, variant in enumerate(variants):
+            if variant.name in first_index:
+                first = first_index[variant.name]
+                raise ValueError(
+                    f"duplicate variant name {variant.name!r} (variants[{first}] and variants[{i}])"
+                )
+            first_index[variant.name] = i
+        return variants
+
+    @property
+    def source_path(self) -> Path | None:
+        """The YAML file this workload was loaded from."""
+        return self._source_path
+
+    @property
+    def source_text_sha256(self) -> str | None:
+        """SHA-256 of the YAML file's bytes."""
+        return self._source_text_sha256
+
+    def variant_workloads(self) -> list[tuple[str, Workload]]:
+        """(name, workload) per variant, each with its overrides applied and no variants of its own;
+        [("default", self)] when there are no variants."""
+        if not self.variants:
+            return [("default", self)]
+        base = self.model_dump(exclude={"variants"})
+        result = []
+        for i, variant in enumerate(self.variants):
+            data = copy.deepcopy(base)
+            try:
+                for key, value in variant.set.items():
+                    _set_dotted(data, key, copy.deepcopy(value))
+                workload = Workload.model_validate(data)
+            except _BadKey as exc:
+                raise InputError(self._variant_error(i, str(exc))) from None
+            except ValidationError as exc:
+                raise InputError(self._variant_error(i, _describe(exc, data, _Origin()))) from None
+            workload._source_path = self._source_path
+            workload._source_text_sha256 = self._source_text_sha256
+            workload._origin = self._origin
+            result.append((variant.name, workload))
+        return result
+
+    def _variant_error(self, index: int, detail: str) -> str:
+        location, _ = self._origin.locate(("variants", index))
+        prefix = f"{location}: " if location else ""
+        return f"{prefix}variants[{index}] {self.variants[index].name!r}: {detail}"
+
+    def resolved_dict(self) -> dict:
+        """The effective configuration for the result JSON (no variants, no tune)."""
+        return self.model_dump(mode="json", exclude={"variants", "tune"})
+
+
+def workload_json_schema() -> dict:
+    """JSON Schema of the workload YAML, for editor completion."""
+    return Workload.model_json_schema()
+
+
+def resolve_path(workload: Workload, p: str) -> Path:
+    """A path from the workload, relative to its YAML file's directory."""
+    path = Path(p).expanduser()
+    if path.is_absolute() or workload.source_path is None:
+        return path
+    return workload.source_path.parent / path
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """Split `dotted.key=value`; the value is YAML, so `3`, `true` and `[1, null]` are typed."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise InputError(f"--set {item}: expected dotted.key=value")
+    try:
+        value = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or _one_line(exc)
+        raise InputError(f"--set {item}: YAML syntax error in value: {problem}") from None
+    return key, value
+
+
+def apply_sets(data: dict, sets: Iterable[str] | Mapping[str, Any]) -> dict:
+    """A deep copy of `data` with overrides applied: `key=value` strings or a key->value mapping."""
+    result = copy.deepcopy(data)
+    if isinstance(sets, Mapping):
+        entries = [(key, value, key) for key, value in sets.items()]
+    else:
+        entries = [(*parse_set(item), item) for item in sets]
+    for key, value, label in entries:
+        try:
+            _set_dotted(result, key, value)
+        except _BadKey as exc:
+            raise InputError(f"--set {label}: {exc}") from None
+    return result
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    _check_dotted_key(key)
+    *parents, leaf = key.split(".")
+    node = data
+    for i, part in enumerate(parents):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise _BadKey(
+                f"cannot set {key}: {'.'.join(parents[: i + 1])} is not a mapping"
+                f" (got {_show(child)})"
+            )
+        node = child
+    node[leaf] = value
+
+
+def load_workload(path: str | Path, sets: Sequence[str] = ()) -> Workload:
+    """Read, override and validate a workload YAML; every problem is one InputError line."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        reason = f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+        raise InputError(f"{path}: cannot read: {reason}") from None
+    data, marks = _parse_yaml(text, str(path))
+    data.setdefault("name", path.stem)
+    data = apply_sets(data, sets)
+    origin = _Origin(str(path), marks, [tuple(parse_set(item)[0].split(".")) for item in sets])
+    try:
+        workload = Workload.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(_describe(exc, data, origin)) from None
+    workload._source_path = path
+    workload._source_text_sha256 = hashlib.sha256(raw).hexdigest()
+    workload._origin = origin
+    # Build the variants now so that `kvbench validate` reports their errors too.
+    workload.variant_workloads()
+    return workload
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def _position(node: yaml.Node) -> tuple[int, int]:
+    return node.start_mark.line + 1, node.start_mark.column + 1
+
+
+def _parse_yaml(text: str, file: str) -> tuple[dict, dict]:
+    loader = _Loader(text)
+    try:
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else {}
+        marks: dict = {(): (None, _position(root) if root is not None else (1, 1))}
+        if not isinstance(data, dict):
+            line, column = marks[()][1]
+            raise InputError(
+                f"{file}:{line}:{column}: expected a mapping of workload keys (got {_show(data)})"
+            )
+        if root is not None:
+            _collect_marks(root, (), marks, loader, file, set())
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else file
+        raise InputError(f"{where}: YAML syntax error: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"{file}: YAML syntax error: {_one_line(exc)}") from None
+    finally:
+        loader.dispose()
+    return data, marks
+
+
+def _collect_marks(
+    node: yaml.Node, path: tuple, marks: dict, loader: _Loader, file: str, active: set
+) -> None:
+    # Runs after construction, which has already folded `<<` merge keys into the mapping nodes.
+    # `active` holds the nodes on the current path: an alias may refer back to its own ancestor.
+    if id(node) in active:
+        return
+    active.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node)
+            if not isinstance(key, str):
+                line, column = _position(key_node)
+                raise InputError(f"{file}:{line}:{column}: keys must be strings (got {_show(key)})")
+            marks[path + (key,)] = (_position(key_node), _position(value_node))
+            _collect_marks(value_node, path + (key,), marks, loader, file, active)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            marks[path + (i,)] = (None, _position(item))
+            _collect_marks(item, path + (i,), marks, loader, file, active)
+    active.discard(id(node))
+
+
+def _dotted(path: tuple) -> str:
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text
+
+
+def _data_path(loc: tuple, data: Any) -> tuple[tuple, bool]:
+    """The pydantic error location as a path into `data`, and whether it points at a dict key.
+
+    Pydantic adds steps that are not in the data (union members, `[key]` for dict keys); those
+    are dropped, but a missing key of a mapping is kept.
+    """
+    path: list = []
+    at_key = False
+    node = data
+    for part in loc:
+        if part == "[key]":
+            at_key = True
+        elif isinstance(node, dict) and isinstance(part, str):
+            path.append(part)
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            path.append(part)
+            node = node[part]
+    return tuple(path), at_key
+
+
+def _model_at(path: tuple) -> type[BaseModel] | None:
+    annotation: Any = Workload
+    for part in path:
+        model = _as_model(annotation)
+        if model is not None:
+            annotation = model.model_fields[part].annotation
+        else:
+            # list[X] and dict[K, X] both hold X as their last type argument.
+            annotation = get_args(_unwrap_optional(annotation))[-1]
+    return _as_model(annotation)
+
+
+_EXPECTED = {
+    "int_type": "expected an integer",
+    "float_type": "expected a number",
+    "bool_type": "expected true or false",
+    "string_type": "expected a string",
+    "list_type": "expected a list",
+    "dict_type": "expected a mapping",
+    "model_type": "expected a mapping",
+}
+_BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+
+
+def _describe(exc: ValidationError, data: dict, origin: _Origin) -> str:
+    """The first validation error as one line: `LOCATION: dotted.key: message`."""
+    error = exc.errors(include_url=False)[0]
+    path, at_key = _data_path(error["loc"], data)
+    shown_path = path
+    if error["type"] == "extra_forbidden":
+        at_key = True
+    elif at_key:
+        # A rejected dict key: the message names the key, so show the mapping that holds it.
+        shown_path = path[:-1]
+    location, implied = origin.locate(path, at_key)
+    parts = [location] if location else []
+    if shown_path and not implied:
+        parts.append(_dotted(shown_path))
+    return ": ".join(parts + [_message(error, path)])
+
+
+def _message(error: dict, path: tuple) -> str:
+    kind, ctx = error["type"], error.get("ctx", {})
+    if kind == "extra_forbidden":
+        return f"unknown key; expected one of: {', '.join(_model_at(path[:-1]).model_fields)}"
+    if kind == "missing":
+        return "required key is missing"
+    if kind == "value_error":
+        # Our validators write the whole message, `(got ...)` included where it helps.
+        return str(ctx["error"])
+    if kind == "literal_error":
+        expected = f"expected one of {ctx['expected']}"
+    elif kind == "too_short":
+        expected = f"expected at least {ctx['min_length']} item"
+    elif kind == "string_too_short":
+        expected = f"expected at least {ctx['min_length']} character"
+    elif kind in _EXPECTED:
+        expected = _EXPECTED[kind]
+    elif bounds := [b for b in _BOUNDS if b in ctx]:
+        expected = f"expected a value {_BOUNDS[bounds[0]]} {ctx[bounds[0]]:g}"
+    else:
+        expected = error["msg"]
+    return f"{expected} (got {_show(error['input'])})"

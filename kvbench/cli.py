@@ -1,0 +1,158 @@
+"""The `kvbench` command line. Thin: parse, call the library, print, map errors to exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .errors import InputError, RegressionFound
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="Benchmark and tune paged KV caches for LLM serving on real traffic.",
+)
+trace_app = typer.Typer(no_args_is_help=True, help="Inspect request traces.")
+app.add_typer(trace_app, name="trace")
+
+out = Console()
+err = Console(stderr=True)
+
+SetOption = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="Override a key: dotted.key=value (YAML-typed; repeatable)."),
+]
+JsonOption = Annotated[Optional[Path], typer.Option("--json", help="Write the result JSON here.")]
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no tables.")]
+
+
+@app.command()
+def run(
+    workloads: Annotated[list[Path], typer.Argument(help="Workload YAML file(s); several form a suite.")],
+    set_: SetOption = None,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Replay a workload's requests through the cache and report reuse, memory and traffic."""
+    from .config import load_workload
+    from .report.tables import print_metrics
+    from .results import build_result, write_json_atomic
+    from .runner import run_workload
+
+    loaded = [load_workload(p, set_ or ()) for p in workloads]
+    per_workload = []
+    for wl in loaded:
+        show = not quiet and wl.run.progress
+        with _progress(show) as factory:
+            outcomes = run_workload(wl, factory)
+        per_workload.append(outcomes)
+        if not quiet:
+            print_metrics(out, wl.name, [(o.variant, o.metrics) for o in outcomes])
+    if json_path is not None:
+        write_json_atomic(json_path, build_result(per_workload))
+        if not quiet:
+            err.print(f"wrote {json_path}")
+
+
+@app.command()
+def validate(
+    workload: Annotated[Path, typer.Argument(help="Workload YAML file.")],
+    set_: SetOption = None,
+) -> None:
+    """Check a workload file (and its variants) without running it."""
+    from .config import load_workload
+
+    wl = load_workload(workload, set_ or ())
+    names = ", ".join(name for name, _ in wl.variant_workloads())
+    out.print(f"{workload}: ok ({wl.run.mode} mode; variants: {names})")
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of workload files (for editor completion)."""
+    from .config import workload_json_schema
+
+    sys.stdout.write(json.dumps(workload_json_schema(), indent=2) + "\n")
+
+
+@trace_app.command("stats")
+def trace_stats_cmd(
+    trace: Annotated[Path, typer.Argument(help="Mooncake JSONL trace.")],
+    json_path: JsonOption = None,
+) -> None:
+    """Summarise a trace: size, rate, length percentiles, ideal hit rate by block size."""
+    from rich.table import Table
+
+    from .results import write_json_atomic
+    from .traffic import read_mooncake, trace_stats
+
+    stats = trace_stats(list(read_mooncake(trace)))
+    if json_path is not None:
+        write_json_atomic(json_path, stats)
+    table = Table(title=f"{trace.name}", title_justify="left")
+    table.add_column("statistic")
+    table.add_column("value", justify="right")
+    table.add_row("requests", f"{stats['requests']:,}")
+    table.add_row("duration", f"{stats['duration_s']:,.1f} s")
+    rate = stats["rate_rps"]
+    table.add_row("rate", f"{rate:.2f} req/s" if rate is not None else "-")
+    for kind in ("input_length", "output_length"):
+        d = stats[kind]
+        table.add_row(kind.replace("_", " ") + " p50/p90/p99/max",
+                      f"{d['p50']:,.0f} / {d['p90']:,.0f} / {d['p99']:,.0f} / {d['max']:,}")
+    for bs, rate in stats["ideal_hit_rate"].items():
+        table.add_row(f"ideal hit rate @ {bs} tokens/block", f"{100 * rate:.2f}%")
+    out.print(table)
+
+
+class _progress:
+    """Context manager yielding a ProgressFactory (or None when hidden)."""
+
+    def __init__(self, show: bool) -> None:
+        self.bar = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=err, transient=True,
+        ) if show else None
+
+    def __enter__(self):
+        if self.bar is None:
+            return None
+        self.bar.start()
+
+        def factory(description: str, total: int):
+            task = self.bar.add_task(description, total=total)
+            return lambda n: self.bar.advance(task, n)
+
+        return factory
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def main() -> None:
+    """Entry point: exit 0 ok, 1 runtime failure, 2 bad input, 3 regression found."""
+    try:
+        app()  # usage errors exit 2 inside, as Click does
+    except InputError as exc:
+        err.print(f"kvbench: error: {exc}", highlight=False, markup=False, soft_wrap=True)
+        sys.exit(2)
+    except RegressionFound as exc:
+        err.print(f"kvbench: {exc}", highlight=False, markup=False)
+        sys.exit(3)
+    except KeyboardInterrupt:
+        err.print("kvbench: interrupted")
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - the one place runtime failures become exit 1
+        if os.environ.get("KVBENCH_DEBUG"):
+            raise
+        err.print(f"kvbench: failed: {type(exc).__name__}: {exc} "
+                  "(KVBENCH_DEBUG=1 shows the traceback)", highlight=False, markup=False,
+                  soft_wrap=True)
+        sys.exit(1)

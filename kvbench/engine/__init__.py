@@ -1,0 +1,1 @@
+"""The replay loops that drive the cache with a request stream."""

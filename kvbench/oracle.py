@@ -135,39 +135,73 @@ def _ideal_partial(
     ideal_full: np.ndarray, tpb: int,
 ) -> list[int]:
     """Per request: tokens the ideal reuses from a partial match where it leaves every earlier
-    prompt. Candidates are the earlier blocks at that place: under the same parent key with the
-    same first token (new full blocks and every prompt's unfilled last block)."""
-    by_slot: dict[tuple[int, int], list[tuple[Request, int, int]]] = {}
-    seen: set[int] = set()
-    out = []
-    for r, keys, cap, m in zip(requests, keys_of, caps, ideal_full.tolist()):
-        firsts = r.first_tokens(tpb)
-        got = 0
-        limit = min(tpb, r.input_length - 1 - m * tpb)
-        if m <= cap and limit > 0:
-            parent = keys[m - 1] if m else r.root_key
-            cands = by_slot.get((parent, firsts[m]))
-            if cands:
-                ours = r.prompt_tokens(m * tpb, m * tpb + limit)
-                for src, pos, n in cands:
-                    n = min(n, limit)
-                    theirs = src.prompt_tokens(pos * tpb, pos * tpb + n)
-                    diff = np.flatnonzero(ours[:n] != theirs)
-                    got = max(got, int(diff[0]) if len(diff) else n)
-                    if got == limit:
-                        break
-        out.append(got)
-        parent = r.root_key
-        for i, k in enumerate(keys):
-            if k not in seen:
-                seen.add(k)
-                by_slot.setdefault((parent, firsts[i]), []).append((r, i, tpb))
-            parent = k
-        tail = r.input_length % tpb
-        if tail:
-            i = len(keys)
-            by_slot.setdefault((parent, firsts[i]), []).append((r, i, tail))
+    prompt. Candidates are the blocks earlier requests stored at that place: the same parent
+    key and the same first token (full blocks and every prompt's unfilled last block).
+
+    Only the one divergence block per request is compared token by token; finding its
+    candidates among millions of stored blocks is a sort and a binary search."""
+    n = len(requests)
+    m_of = ideal_full.tolist()
+    limits = [min(tpb, r.input_length - 1 - m * tpb) for r, m in zip(requests, m_of)]
+    if not any(lim > 0 for lim in limits):
+        return [0] * n
+    # Every stored block: (parent key, first token, request, position, tokens held).
+    firsts_of = [r.first_tokens(tpb) for r in requests]
+    counts = np.fromiter((len(f) for f in firsts_of), dtype=np.int64, count=n)
+    starts = np.concatenate(([0], np.cumsum(counts)))
+    total = int(starts[-1])
+    req = np.repeat(np.arange(n, dtype=np.int64), counts)
+    pos = np.arange(total, dtype=np.int64) - starts[:-1][req]
+    first = np.fromiter((t for f in firsts_of for t in f), dtype=np.int64, count=total)
+    parent = np.fromiter(
+        (k for r, keys, f in zip(requests, keys_of, firsts_of)
+         for k in _parents(r.root_key, keys, len(f))),
+        dtype=np.int64, count=total)
+    slot = _mix(parent, first)
+    order = np.lexsort((req, slot))
+    sorted_slot = slot[order]
+    # The query of each request: the block where the ideal's full match stops.
+    q_idx = starts[:-1] + np.minimum(np.asarray(m_of, dtype=np.int64), np.maximum(counts - 1, 0))
+    q_slot = slot[q_idx]
+    lo = np.searchsorted(sorted_slot, q_slot, "left").tolist()
+    hi = np.searchsorted(sorted_slot, q_slot, "right").tolist()
+    order_l, req_l, pos_l = order.tolist(), req.tolist(), pos.tolist()
+    out = [0] * n
+    for q in range(n):
+        limit = limits[q]
+        if limit <= 0 or hi[q] - lo[q] < 1:
+            continue
+        r, m, qi = requests[q], m_of[q], int(q_idx[q])
+        ours = r.prompt_tokens(m * tpb, m * tpb + limit)
+        best = 0
+        for c in order_l[lo[q]:hi[q]]:
+            cr = req_l[c]
+            if cr >= q:
+                break  # sorted by request inside a slot
+            if parent[c] != parent[qi] or first[c] != first[qi]:
+                continue  # a collision of the mixed slot value
+            src = requests[cr]
+            start = pos_l[c] * tpb
+            theirs = src.prompt_tokens(start, start + limit)
+            k = min(len(theirs), limit)
+            diff = np.flatnonzero(ours[:k] != theirs[:k])
+            best = max(best, int(diff[0]) if len(diff) else k)
+            if best == limit:
+                break
+        out[q] = best
     return out
+
+
+def _parents(root: int, keys: list[int], count: int):
+    """Parent key of each of a prompt's `count` blocks (full ones, then the unfilled last)."""
+    yield root
+    yield from keys[:count - 1]
+
+
+def _mix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """One int64 per (parent, first token) pair; collisions are checked by the caller."""
+    with np.errstate(over="ignore"):
+        return a * np.int64(-7046029254386353131) + b * np.int64(0x5851F42D4C957F2D)
 
 
 def _belady(

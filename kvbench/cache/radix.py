@@ -9,10 +9,13 @@ its data is valid again (the key chains the prefix), so dropping it would only l
 Partial reuse needs the children of a node, filed by first token: a partial match needs at least
 its first token equal, so only blocks under the same node with the same first token are compared
 token by token, and a node shared by thousands of conversations (a system prompt) costs one
-lookup, not a scan of its children. With partial reuse on, `kids[(parent_key, first_token)]`
-holds every stored block there, full or partial (a released prompt's last, unfilled block): one
-block id in the common case, a list only when several share a first token, because building
-millions of tiny containers cost more than the whole rest of the replay.
+lookup, not a scan of its children. With partial reuse on, `kids[parent_key]` is one block id
+(most nodes have one child: a chain) or a dict `first_token -> block id | [block ids]`, holding
+every stored block there, full or partial (a released prompt's last, unfilled block). Entries are
+removed lazily: eviction, the hottest path, leaves them, and a reader takes an entry only while
+its block is still stored there (`_is_kid`). The map is rebuilt from the stored blocks when stale
+entries pile up, so its size stays O(blocks). Building and deleting millions of tiny
+containers and tuple keys cost more than the whole rest of the replay; this does not.
 """
 
 from __future__ import annotations
@@ -26,22 +29,27 @@ from .ids import BlockId, BlockKey
 if TYPE_CHECKING:
     from ..traffic.request import Request
 
-_Kids = dict[tuple[BlockKey, int], "BlockId | list[BlockId]"]
+# Stale entries may reach this many times the block count before a rebuild: rebuilding costs
+# one pass over the blocks, so it runs about once per this many rounds of the whole cache.
+_REBUILD_FACTOR = 8
+
+_ByFirst = dict[int, "BlockId | list[BlockId]"]
+_Kids = dict[BlockKey, "BlockId | _ByFirst"]
 
 
 class PrefixIndex:
     """Keys and token sources of the stored blocks of one life cycle (all tiers)."""
 
     __slots__ = (
-        "tpb", "by_key", "kids", "num_kids", "key_of", "parent_of", "first_of", "num_tokens",
-        "source", "position",
+        "tpb", "by_key", "kids", "key_of", "parent_of", "first_of", "num_tokens", "source",
+        "position", "_rebuild_at",
     )
 
     def __init__(self, tokens_per_block: int, id_space: int, track_children: bool) -> None:
         self.tpb = tokens_per_block
         self.by_key: dict[BlockKey, BlockId] = {}
         self.kids: _Kids | None = {} if track_children else None
-        self.num_kids: dict[BlockKey, int] = {}
+        self._rebuild_at = _REBUILD_FACTOR * id_space + 1024
         self.key_of: list[BlockKey | None] = [None] * id_space
         self.parent_of: list[BlockKey] = [BlockKey(0)] * id_space
         self.first_of = [0] * id_space
@@ -75,10 +83,9 @@ class PrefixIndex:
         assert self.kids is not None, "partial matching needs track_children"
         if limit <= 0:
             return None
-        found = self.kids.get((parent_key, request.first_tokens(self.tpb)[position]))
-        if found is None:
+        candidates = self._kids_of(parent_key, request.first_tokens(self.tpb)[position])
+        if not candidates:
             return None
-        candidates = found if isinstance(found, list) else (found,)
         start = position * self.tpb
         ours = request.prompt_tokens(start, start + limit)
         best: tuple[BlockId, int] | None = None
@@ -96,7 +103,15 @@ class PrefixIndex:
 
     def has_children(self, block: BlockId) -> bool:
         key = self.key_of[block]
-        return key is not None and key in self.num_kids
+        if key is None or self.kids is None:
+            return False
+        entry = self.kids.get(key)
+        if entry is None:
+            return False
+        if not isinstance(entry, dict):
+            return self._is_kid(entry, key)
+        return any(self._is_kid(b, key) for found in entry.values()
+                   for b in (found if isinstance(found, list) else (found,)))
 
     def insert_full(
         self, blocks: list[BlockId], keys: list[BlockKey], begin: int, end: int,
@@ -110,7 +125,8 @@ class PrefixIndex:
         tpb = self.tpb
         kids = self.kids
         if kids is not None:
-            firsts, first_of, num_kids = request.first_tokens(tpb), self.first_of, self.num_kids
+            firsts = request.first_tokens(tpb)
+            add_kid = self._add_kid
         for i in range(begin, end):
             key = keys[i]
             b = blocks[i]
@@ -121,18 +137,18 @@ class PrefixIndex:
                 num_tokens[b] = tpb
                 source[b] = request
                 position[b] = i
-                if kids is not None:  # _add_kid, inlined: this loop runs per stored block
-                    first = first_of[b] = firsts[i]
-                    slot = (parent_key, first)
-                    found = kids.get(slot)
-                    if found is None:
-                        kids[slot] = b
-                    elif isinstance(found, list):
-                        found.append(b)
+                if kids is not None:
+                    # The common case inline (this loop runs per stored block): a node whose
+                    # only entry is stale or absent.
+                    old = kids.get(parent_key)
+                    if old is None or (old.__class__ is int and source[old] is None):
+                        self.first_of[b] = firsts[i]
+                        kids[parent_key] = b
                     else:
-                        kids[slot] = [found, b]
-                    num_kids[parent_key] = num_kids.get(parent_key, 0) + 1
+                        add_kid(parent_key, firsts[i], b)
             parent_key = key
+        if kids is not None and len(kids) > self._rebuild_at:
+            self._rebuild_kids()
 
     def insert_partial(
         self, block: BlockId, parent_key: BlockKey, request: Request, position: int, num_tokens: int
@@ -145,66 +161,88 @@ class PrefixIndex:
         self.source[block] = request
         self.position[block] = position
         self._add_kid(parent_key, request.first_tokens(self.tpb)[position], block)
+        if len(self.kids) > self._rebuild_at:
+            self._rebuild_kids()
 
     def remove(self, block: BlockId) -> None:
         key = self.key_of[block]
         if key is not None:
             del self.by_key[key]
             self.key_of[block] = None
-        if self.kids is not None:
-            parent = self.parent_of[block]
-            slot = (parent, self.first_of[block])
-            found = self.kids[slot]
-            if isinstance(found, list):
-                found.remove(block)
-                if len(found) == 1:
-                    self.kids[slot] = found[0]
-            else:
-                del self.kids[slot]
-            left = self.num_kids[parent] - 1
-            if left:
-                self.num_kids[parent] = left
-            else:
-                del self.num_kids[parent]
-        self.source[block] = None
+        self.source[block] = None  # any `kids` entry for it is now stale
 
     def remove_many(self, blocks: list[BlockId]) -> None:
-        if self.kids is not None:
-            for b in blocks:
-                self.remove(b)
-            return
         by_key, key_of, source = self.by_key, self.key_of, self.source
         for b in blocks:
-            del by_key[key_of[b]]
-            key_of[b] = None
+            key = key_of[b]
+            if key is not None:
+                del by_key[key]
+                key_of[b] = None
             source[b] = None
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _is_kid(self, block: BlockId, parent_key: BlockKey) -> bool:
+        return self.source[block] is not None and self.parent_of[block] == parent_key
+
+    def _kids_of(self, parent_key: BlockKey, first: int) -> list[BlockId]:
+        entry = self.kids.get(parent_key)
+        if entry is None:
+            return []
+        found = entry.get(first) if isinstance(entry, dict) else entry
+        if found is None:
+            return []
+        blocks = found if isinstance(found, list) else (found,)
+        return [b for b in blocks if self._is_kid(b, parent_key) and self.first_of[b] == first]
 
     def _add_kid(self, parent_key: BlockKey, first: int, block: BlockId) -> None:
         self.first_of[block] = first
-        slot = (parent_key, first)
         kids = self.kids
-        found = kids.get(slot)
-        if found is None:
-            kids[slot] = block
-        elif isinstance(found, list):
-            found.append(block)
+        entry = kids.get(parent_key)
+        if entry is None or (not isinstance(entry, dict) and not self._is_kid(entry, parent_key)):
+            kids[parent_key] = block
         else:
-            kids[slot] = [found, block]
-        num_kids = self.num_kids
-        num_kids[parent_key] = num_kids.get(parent_key, 0) + 1
+            if not isinstance(entry, dict):
+                entry = kids[parent_key] = {self.first_of[entry]: entry}
+            found = entry.get(first)
+            if found is None:
+                entry[first] = block
+            else:
+                live = [b for b in (found if isinstance(found, list) else (found,))
+                        if self._is_kid(b, parent_key) and self.first_of[b] == first]
+                entry[first] = live + [block] if live else block
+
+    def _rebuild_kids(self) -> None:
+        """Drop stale entries: refile every stored block under its parent."""
+        self.kids = {}
+        live = [b for b, src in enumerate(self.source) if src is not None]
+        for b in live:
+            self._file_kid(b)
+        self._rebuild_at = _REBUILD_FACTOR * max(len(self.source), len(self.kids)) + 1024
+
+    def _file_kid(self, b: BlockId) -> None:
+        parent_key, first = self.parent_of[b], self.first_of[b]
+        entry = self.kids.get(parent_key)
+        if entry is None:
+            self.kids[parent_key] = b
+            return
+        if not isinstance(entry, dict):
+            entry = self.kids[parent_key] = {self.first_of[entry]: entry}
+        found = entry.get(first)
+        if found is None:
+            entry[first] = b
+        elif isinstance(found, list):
+            found.append(b)
+        else:
+            entry[first] = [found, b]
 
     def _check_sanity(self) -> bool:
         for key, b in self.by_key.items():
             assert self.key_of[b] == key and self.source[b] is not None
         if self.kids is not None:
-            counts: dict[BlockKey, int] = {}
-            for (parent, first), found in self.kids.items():
-                blocks = found if isinstance(found, list) else [found]
-                assert len(blocks) == len(set(blocks)) and (len(blocks) == 1 or isinstance(found, list))
-                for b in blocks:
-                    assert self.parent_of[b] == parent and self.source[b] is not None
-                    req, pos = self.source[b], self.position[b]
-                    assert req.first_tokens(self.tpb)[pos] == first == self.first_of[b]
-                    counts[parent] = counts.get(parent, 0) + 1
-            assert counts == self.num_kids
+            # Every stored block is findable under its parent and first token.
+            for b, src in enumerate(self.source):
+                if src is not None:
+                    assert b in self._kids_of(self.parent_of[b], self.first_of[b])
+                    assert src.first_tokens(self.tpb)[self.position[b]] == self.first_of[b]
         return True

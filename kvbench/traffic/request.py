@@ -28,7 +28,8 @@ def namespace_salt(namespace: str | int | None) -> int:
     if namespace is None:
         return 0
     digest = hashlib.blake2b(str(namespace).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") | 1
+    # 63 bits, so keys fit numpy's int64 in the oracle.
+    return (int.from_bytes(digest, "little") >> 1) | 1
 
 
 @dataclass(slots=True)

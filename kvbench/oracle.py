@@ -61,7 +61,7 @@ def reference_hit_rates(
     occ = _Occurrences(keys_of, caps)
     ideal_full = occ.ideal_full_blocks()
     partial = (
-        _ideal_partial(requests, keys_of, caps, ideal_full, tpb) if partial_reuse
+        _ideal_partial(requests, occ, ideal_full, tpb) if partial_reuse
         else [0] * len(requests)
     )
     ideal = sum(int(f) * tpb + p for f, p in zip(ideal_full, partial))
@@ -84,6 +84,7 @@ class _Occurrences:
         self.hittable = self.pos < np.asarray(caps, dtype=np.int64)[self.req]
         flat = [k for keys in keys_of for k in keys]
         keys = np.array(flat, dtype=np.int64) if flat else np.zeros(0, dtype=np.int64)
+        self.keys = keys
         # Group equal keys, in request order inside a group.
         self.order = np.lexsort((self.req, keys))
         sk = keys[self.order]
@@ -105,8 +106,9 @@ class _Occurrences:
         lead = ok & (bad_before == seg_base[self.req])
         return np.bincount(self.req[lead], minlength=self.num_requests)
 
-    def next_use_per_request(self) -> list[list[int]]:
-        """Per request and block: the next request that could reuse the block, or _INF."""
+    def next_use_per_request(self) -> list[tuple[list[int], list[int]]]:
+        """Per request: the positions of its blocks that a later request could reuse and, for
+        each, the next such request (blocks never reused again are left out)."""
         o = self.order
         n = self.total
         idx = np.arange(n, dtype=np.int64)
@@ -125,14 +127,17 @@ class _Occurrences:
         nxt_sorted = np.where(in_group, sorted_req[np.minimum(nearest, max(n - 1, 0))], _INF)
         nxt = np.empty(n, dtype=np.int64)
         nxt[o] = nxt_sorted
-        flat = nxt.tolist()
-        s = self.starts.tolist()
-        return [flat[s[i]:s[i + 1]] for i in range(self.num_requests)]
+        finite = nxt < _INF
+        pos = self.pos[finite].tolist()
+        use = nxt[finite].tolist()
+        cut = np.concatenate(([0], np.cumsum(np.bincount(
+            self.req[finite], minlength=self.num_requests)))).tolist()
+        return [(pos[cut[i]:cut[i + 1]], use[cut[i]:cut[i + 1]])
+                for i in range(self.num_requests)]
 
 
 def _ideal_partial(
-    requests: Sequence[Request], keys_of: list[list[int]], caps: list[int],
-    ideal_full: np.ndarray, tpb: int,
+    requests: Sequence[Request], occ: _Occurrences, ideal_full: np.ndarray, tpb: int
 ) -> list[int]:
     """Per request: tokens the ideal reuses from a partial match where it leaves every earlier
     prompt. Candidates are the blocks earlier requests stored at that place: the same parent
@@ -146,17 +151,17 @@ def _ideal_partial(
     if not any(lim > 0 for lim in limits):
         return [0] * n
     # Every stored block: (parent key, first token, request, position, tokens held).
-    firsts_of = [r.first_tokens(tpb) for r in requests]
-    counts = np.fromiter((len(f) for f in firsts_of), dtype=np.int64, count=n)
+    first = np.concatenate([r.first_tokens_array(tpb) for r in requests])
+    counts = np.fromiter((-(-r.input_length // tpb) for r in requests), dtype=np.int64, count=n)
     starts = np.concatenate(([0], np.cumsum(counts)))
     total = int(starts[-1])
     req = np.repeat(np.arange(n, dtype=np.int64), counts)
     pos = np.arange(total, dtype=np.int64) - starts[:-1][req]
-    first = np.fromiter((t for f in firsts_of for t in f), dtype=np.int64, count=total)
-    parent = np.fromiter(
-        (k for r, keys, f in zip(requests, keys_of, firsts_of)
-         for k in _parents(r.root_key, keys, len(f))),
-        dtype=np.int64, count=total)
+    # The parent of block p is full block p - 1 of the same prompt, or the root.
+    roots = np.fromiter((r.root_key for r in requests), dtype=np.int64, count=n)
+    prev = occ.starts[:-1][req] + pos - 1
+    parent = np.where(pos == 0, roots[req], occ.keys[np.clip(prev, 0, max(occ.total - 1, 0))]
+                      if occ.total else roots[req])
     slot = _mix(parent, first)
     order = np.lexsort((req, slot))
     sorted_slot = slot[order]
@@ -192,12 +197,6 @@ def _ideal_partial(
     return out
 
 
-def _parents(root: int, keys: list[int], count: int):
-    """Parent key of each of a prompt's `count` blocks (full ones, then the unfilled last)."""
-    yield root
-    yield from keys[:count - 1]
-
-
 def _mix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """One int64 per (parent, first token) pair; collisions are checked by the caller."""
     with np.errstate(over="ignore"):
@@ -211,43 +210,47 @@ def _belady(
 ) -> int:
     """Replay with farthest-next-use eviction; returns reused tokens.
 
-    A request's own resident blocks have next use == this request, the nearest possible, so
-    they are the last candidates and never chosen while the request fits in the cache. Heap
-    entries are lazy: one is current only if its block is still resident with that next use.
-    Blocks never used again wait on a stack and go before all others."""
-    resident: dict[int, int] = {}  # key -> next use
-    never: list[int] = []
+    Blocks never reused again go first. Their identity does not matter (no later request hits
+    them, and they have no reusable descendants: a descendant's reuse would reuse them too), so
+    they are only counted. The others sit in a heap by (next use, depth); entries are lazy, one
+    is current only while its block is resident with that next use. A request's own hits have
+    next use == this request, the nearest possible, so they are never chosen while the request
+    fits in the cache. As in the cache, the request allocates every block it does not reuse."""
+    resident: dict[int, int] = {}  # key -> next use, for blocks that will be reused
+    never = 0
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, key)
     heappush, heappop = heapq.heappush, heapq.heappop
     reused = 0
-    for i, (r, keys, cap, nxt, m, p) in enumerate(
+    for i, (r, keys, cap, (fin_pos, fin_use), m, p) in enumerate(
         zip(requests, keys_of, caps, next_use, ideal_full.tolist(), partial)
     ):
-        held = 0
-        for k in keys:
-            if k not in resident:
-                break
-            held += 1
-        h = min(held, cap)
+        h = 0
+        while h < cap and keys[h] in resident:
+            h += 1
         reused += h * tpb + (p if h == m else 0)
-        excess = len(resident) + (-(-r.input_length // tpb) - held) - capacity
+        excess = len(resident) + never + (-(-r.input_length // tpb) - h) - capacity
         while excess > 0:
             if never:
-                k = never.pop()
-                if resident.get(k) != _INF:
-                    continue
-            else:
-                nu, _, k = heappop(heap)
-                if resident.get(k) != -nu:
-                    continue
-                assert -nu != i, "a request larger than the cache reached the oracle"
+                take = min(never, excess)
+                never -= take
+                excess -= take
+                continue
+            nu, _, k = heappop(heap)
+            if resident.get(k) != -nu:
+                continue
+            assert -nu != i, "a request larger than the cache reached the oracle"
             del resident[k]
             excess -= 1
-        for j, k in enumerate(keys):
-            u = nxt[j]
-            resident[k] = u
-            if u == _INF:
-                never.append(k)
+        # Hits that no later request reuses leave the index (they are counted in `never`).
+        f = 0
+        for j in range(h):
+            if f < len(fin_pos) and fin_pos[f] == j:
+                f += 1
             else:
-                heappush(heap, (-u, -j, k))
+                del resident[keys[j]]
+        never += len(keys) - len(fin_pos)
+        for j, u in zip(fin_pos, fin_use):
+            k = keys[j]
+            resident[k] = u
+            heappush(heap, (-u, -j, k))
     return reused

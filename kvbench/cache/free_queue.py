@@ -73,21 +73,24 @@ class FreeQueue:
     def pop_front_many(self, n: int) -> list[BlockId]:
         """The next `n` victims in order (fewer if the queue runs out), unlinked as runs."""
         out: list[BlockId] = []
+        append = out.append
         nxt, prv, level = self._next, self._prev, self._level
-        while len(out) < n and self._nonempty:
+        left = n
+        while left and self._nonempty:
             mask = self._nonempty
             lv = (mask & -mask).bit_length() - 1
             s = self._sentinel0 + lv
             b = nxt[s]
-            while b != s and len(out) < n:
-                out.append(BlockId(b))
+            while b != s and left:
+                append(b)
                 level[b] = _NONE
                 b = nxt[b]
+                left -= 1
             nxt[s] = b
             prv[b] = s
             if b == s:
                 self._nonempty &= ~(1 << lv)
-        self._size -= len(out)
+        self._size -= n - left
         return out
 
     def remove(self, block: BlockId) -> None:

@@ -125,7 +125,7 @@ class PrefixIndex:
         tpb = self.tpb
         kids = self.kids
         if kids is not None:
-            firsts = request.first_tokens(tpb)
+            firsts, first_of = request.first_tokens(tpb), self.first_of
             add_kid = self._add_kid
         for i in range(begin, end):
             key = keys[i]
@@ -142,7 +142,7 @@ class PrefixIndex:
                     # only entry is stale or absent.
                     old = kids.get(parent_key)
                     if old is None or (old.__class__ is int and source[old] is None):
-                        self.first_of[b] = firsts[i]
+                        first_of[b] = firsts[i]
                         kids[parent_key] = b
                     else:
                         add_kid(parent_key, firsts[i], b)

@@ -77,14 +77,20 @@ class Request:
         size: a partial match needs its first token equal, so the index files blocks by it."""
         firsts = self._firsts.get(tokens_per_block)
         if firsts is None:
-            starts = np.arange(0, self.input_length, tokens_per_block, dtype=np.int64)
-            if self.tokens is not None:
-                firsts = self.tokens[starts].tolist()
-            else:
-                block = self.trace_block_tokens
-                firsts = (self.hash_ids[starts // block] * block + starts % block).tolist()
+            firsts = self.first_tokens_array(tokens_per_block).tolist()
             self._firsts[tokens_per_block] = firsts
         return firsts
+
+    def first_tokens_array(self, tokens_per_block: int) -> np.ndarray:
+        """`first_tokens` as an int64 array, computed afresh (for vectorised references)."""
+        return self.tokens_at(np.arange(0, self.input_length, tokens_per_block, dtype=np.int64))
+
+    def tokens_at(self, positions: np.ndarray) -> np.ndarray:
+        """Prompt tokens at the given positions (int64 array, each < input_length)."""
+        if self.tokens is not None:
+            return self.tokens[positions]
+        block = self.trace_block_tokens
+        return self.hash_ids[positions // block] * block + positions % block
 
     def drop_keys(self) -> None:
         """Forget cached keys (a long replay streams requests and frees them as it goes)."""
@@ -96,9 +102,7 @@ class Request:
         end = self.input_length if end is None else min(end, self.input_length)
         if self.tokens is not None:
             return self.tokens[start:end]
-        pos = np.arange(start, end, dtype=np.int64)
-        block = self.trace_block_tokens
-        return self.hash_ids[pos // block] * block + pos % block
+        return self.tokens_at(np.arange(start, end, dtype=np.int64))
 
     def _compute_keys(self, tpb: int) -> list[int]:
         n_full = self.input_length // tpb

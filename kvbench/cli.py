@@ -38,6 +38,12 @@ def run(
     set_: SetOption = None,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
+    repeat: Annotated[int, typer.Option(
+        "--repeat", min=1, help="Run each workload N times; compare merges repeats by the median.",
+    )] = 1,
+    update_baseline: Annotated[Optional[Path], typer.Option(
+        "--update-baseline", help="Rewrite this baseline (for kvbench compare) with the result.",
+    )] = None,
 ) -> None:
     """Replay a workload's requests through the cache and report reuse, memory and traffic."""
     from .config import load_workload
@@ -50,14 +56,21 @@ def run(
     for wl in loaded:
         show = not quiet and wl.run.progress
         with _progress(show) as factory:
-            outcomes = run_workload(wl, factory)
+            outcomes = [o for _ in range(repeat) for o in run_workload(wl, factory)]
         per_workload.append(outcomes)
         if not quiet:
             print_metrics(out, wl.name, [(o.variant, o.metrics) for o in outcomes])
+    result = build_result(per_workload)
     if json_path is not None:
-        write_json_atomic(json_path, build_result(per_workload))
+        write_json_atomic(json_path, result)
         if not quiet:
             err.print(f"wrote {json_path}")
+    if update_baseline is not None:
+        from .compare import baseline_of
+
+        write_json_atomic(update_baseline, baseline_of(result))
+        if not quiet:
+            err.print(f"updated baseline {update_baseline}")
 
 
 @app.command()
@@ -79,6 +92,91 @@ def schema() -> None:
     from .config import workload_json_schema
 
     sys.stdout.write(json.dumps(workload_json_schema(), indent=2) + "\n")
+
+
+@app.command()
+def tune(
+    workload: Annotated[Path, typer.Argument(help="Workload YAML with a tune: section.")],
+    trials: Annotated[Optional[int], typer.Option(
+        "--trials", "-n", min=1,
+        help="Trials in the study in all (default: tune.n_trials); a resumed study runs what it lacks.",
+    )] = None,
+    storage: Annotated[Optional[str], typer.Option(
+        "--storage",
+        help="Optuna storage URL (sqlite:///F, postgresql://...) or journal:PATH "
+             "(default: sqlite:///results/<workload>-tune.db).",
+    )] = None,
+    study: Annotated[Optional[str], typer.Option(
+        "--study", help="Study name (default: the workload's name).")] = None,
+    workers: Annotated[int, typer.Option(
+        "--workers", "-j", min=1, help="Worker processes on this machine, sharing the storage.",
+    )] = 1,
+    export_best: Annotated[Optional[Path], typer.Option(
+        "--export-best", help="Write the best trial (primary objective) as a workload YAML.",
+    )] = None,
+    plots: Annotated[Optional[Path], typer.Option(
+        "--plots", help="Write Pareto front and optimization history PNGs into this folder.",
+    )] = None,
+    heartbeat: Annotated[int, typer.Option(
+        "--heartbeat", min=1, metavar="SECONDS",
+        help="Heartbeat interval; a trial silent for 3x this is failed and re-run.",
+    )] = 10,
+    set_: SetOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Search cache and scheduler knobs with Optuna; show the Pareto front."""
+    from .tune import TuneJob
+    from .tune_view import tune_command
+
+    job = TuneJob(str(workload), tuple(set_ or ()), trials, storage, study, heartbeat)
+    code = tune_command(job, workers=workers, export_best=export_best, plots=plots, quiet=quiet,
+                        out=out, err=err)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command()
+def compare(
+    base: Annotated[Path, typer.Argument(help="Baseline result JSON.")],
+    new: Annotated[Path, typer.Argument(help="Current result JSON (same workloads and variants).")],
+    markdown: Annotated[Optional[Path], typer.Option(
+        "--markdown", help="Also write a Markdown summary here (CI job summary, PR comment).",
+    )] = None,
+    timing_tolerance: Annotated[float, typer.Option(
+        "--timing-tolerance", min=0,
+        help="Percent a measured timing may worsen (median of repeats, same device only).",
+    )] = 10.0,
+    quiet: QuietOption = False,
+) -> None:
+    """Compare a result with a baseline: exit 3 if a metric regressed, 2 if not comparable."""
+    from .compare import compare_files, print_comparison, to_markdown
+
+    comparison = compare_files(base, new, timing_tolerance=timing_tolerance / 100)
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(to_markdown(comparison))
+    if not quiet:
+        print_comparison(out, comparison)
+    if comparison.failures:
+        raise RegressionFound(comparison.failure_line())
+
+
+@app.command()
+def report(
+    result: Annotated[Path, typer.Argument(help="Result JSON (kvbench run --json).")],
+    out_dir: Annotated[Optional[Path], typer.Option(
+        "--out", help="Output folder (default: RESULT-report beside the result).",
+    )] = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Write PNG plots of a result and an index.html / index.md page with its tables."""
+    from .report.page import write_report
+    from .results import read_result
+
+    target = out_dir or result.with_name(result.stem + "-report")
+    written = write_report(read_result(result), target)
+    if not quiet:
+        err.print(f"wrote {len(written)} files; open {target / 'index.html'}")
 
 
 @trace_app.command("stats")
@@ -105,7 +203,7 @@ def trace_stats_cmd(
     for kind in ("input_length", "output_length"):
         d = stats[kind]
         table.add_row(kind.replace("_", " ") + " p50/p90/p99/max",
-                      f"{d['p50']:,.0f} / {d['p90']:,.0f} / {d['p99']:,.0f} / {d['max']:,}")
+                      f"{d['p50']:,.0f} / {d['p90']:,.0f} / {d['p99']:,.0f} / {d['max']:,.0f}")
     for bs, rate in stats["ideal_hit_rate"].items():
         table.add_row(f"ideal hit rate @ {bs} tokens/block", f"{100 * rate:.2f}%")
     out.print(table)
@@ -144,7 +242,7 @@ def main() -> None:
         err.print(f"kvbench: error: {exc}", highlight=False, markup=False, soft_wrap=True)
         sys.exit(2)
     except RegressionFound as exc:
-        err.print(f"kvbench: {exc}", highlight=False, markup=False)
+        err.print(f"kvbench: {exc}", highlight=False, markup=False, soft_wrap=True)
         sys.exit(3)
     except KeyboardInterrupt:
         err.print("kvbench: interrupted")

@@ -95,6 +95,8 @@ class _Occurrences:
 
     def ideal_full_blocks(self) -> np.ndarray:
         """Per request: leading full blocks whose key an earlier request stored."""
+        if not self.total:  # no prompt fills a block
+            return np.zeros(self.num_requests, dtype=np.int64)
         gid = np.cumsum(self.group_start) - 1
         first_req = self.req[self.order][self.group_start][gid]
         seen = np.empty(self.total, dtype=bool)
@@ -109,6 +111,8 @@ class _Occurrences:
     def next_use_per_request(self) -> list[tuple[list[int], list[int]]]:
         """Per request: the positions of its blocks that a later request could reuse and, for
         each, the next such request (blocks never reused again are left out)."""
+        if not self.total:
+            return [([], []) for _ in range(self.num_requests)]
         o = self.order
         n = self.total
         idx = np.arange(n, dtype=np.int64)

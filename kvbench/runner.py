@@ -6,9 +6,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .cache.manager import CacheSpec, KVCacheManager
 from .config import Workload, resolve_path
 from .engine.cache_mode import replay_cache_mode
+from .engine.clock import StepClock, hardware_from_config
+from .engine.scheduler import Scheduler
+from .engine.serve import run_serve
 from .errors import InputError
 from .oracle import reference_hit_rates
 from .traffic import Request, load_requests
@@ -33,9 +38,12 @@ def block_bytes(workload: Workload) -> int:
 
 def cache_spec(workload: Workload, *, emit_copy_ops: bool = False) -> CacheSpec:
     c = workload.cache
+    gpu_blocks = c.max_tokens // c.tokens_per_block
     return CacheSpec(
         tokens_per_block=c.tokens_per_block,
-        num_gpu_blocks=c.max_tokens // c.tokens_per_block,
+        num_gpu_blocks=gpu_blocks,
+        num_host_blocks=int(c.host_offload_ratio * gpu_blocks),
+        secondary_offload_min_priority=c.secondary_offload_min_priority,
         enable_block_reuse=c.enable_block_reuse,
         enable_partial_reuse=c.enable_partial_reuse,
         copy_on_partial_reuse=c.copy_on_partial_reuse,
@@ -72,17 +80,29 @@ def _where(wl: Workload) -> str:
 
 def _check_supported(wl: Workload) -> None:
     unsupported = []
-    if wl.run.mode != "cache":
-        unsupported.append(f"run.mode: {wl.run.mode}")
-    if wl.cache.host_offload_ratio > 0:
-        unsupported.append("cache.host_offload_ratio > 0")
+    if wl.run.mode == "serve" and wl.run.backend != "none":
+        unsupported.append(f"run.backend: {wl.run.backend} with run.mode: serve")
     if any(w is not None for w in wl.model.layer_windows):
         unsupported.append("model.attention_window")
-    if wl.run.backend != "none":
-        unsupported.append(f"run.backend: {wl.run.backend}")
     if unsupported:
         raise InputError(
             f"{_where(wl)}: not supported by this kvbench build: {', '.join(unsupported)}")
+
+
+def _open_data_plane(wl: Workload, spec: CacheSpec):
+    """The data plane for `run.backend` (None for `none`); torch is imported only here."""
+    if wl.run.backend == "none":
+        return None
+    from .kernels.dataplane import open_data_plane
+    from .kernels.step import BackendUnavailable, PoolSpec
+
+    pool = PoolSpec(tuple(range(wl.model.num_layers)), spec.num_gpu_blocks,
+                    num_host_slots=spec.num_host_blocks)
+    try:
+        return open_data_plane(wl.model, spec.tokens_per_block, [pool], backend=wl.run.backend,
+                               verify=wl.run.verify, seed=wl.run.seed)
+    except BackendUnavailable as exc:
+        raise InputError(f"{_where(wl)}: run.backend: {wl.run.backend}: {exc}") from None
 
 
 def _check_fits(wl: Workload, requests: list[Request], num_blocks: int) -> None:
@@ -99,14 +119,18 @@ def _check_fits(wl: Workload, requests: list[Request], num_blocks: int) -> None:
 def _run_one(
     name: str, wl: Workload, requests: list[Request], progress: ProgressFactory | None
 ) -> RunOutcome:
-    spec = cache_spec(wl)
+    if wl.run.mode == "serve":
+        return _run_serve(name, wl, requests, progress)
+    spec = cache_spec(wl, emit_copy_ops=wl.run.backend != "none")
     _check_fits(wl, requests, spec.num_gpu_blocks)
     t0 = time.perf_counter()
     manager = KVCacheManager(spec)
+    plane = _open_data_plane(wl, spec)
     advance = progress(name, len(requests)) if progress is not None else None
-    result = replay_cache_mode(requests, manager, advance)
+    result = replay_cache_mode(requests, manager, advance, data_plane=plane)
+    # With a host tier the optimum may keep blocks in either tier: one pool of both sizes.
     refs = reference_hit_rates(
-        requests, spec.tokens_per_block, spec.num_gpu_blocks,
+        requests, spec.tokens_per_block, spec.num_gpu_blocks + spec.num_host_blocks,
         partial_reuse=spec.enable_partial_reuse, block_reuse=spec.enable_block_reuse)
     wall = time.perf_counter() - t0
     for r in requests:
@@ -117,25 +141,142 @@ def _run_one(
         "requests": len(requests),
         "prompt_tokens": prompt,
         "reused_tokens": result.reused_tokens,
-        "reused_tokens_gpu": result.reused_tokens,
-        "reused_tokens_host": 0,
+        "reused_tokens_gpu": result.reused_tokens - result.reused_tokens_host,
+        "reused_tokens_host": result.reused_tokens_host,
         "reused_full_blocks": result.reused_full_blocks,
         "reused_partial_tokens": result.reused_partial_tokens,
         "hit_rate": result.reused_tokens / prompt,
         "ideal_hit_rate": refs.ideal_hit_rate,
         "optimal_hit_rate": refs.optimal_hit_rate,
         "gpu_blocks_total": spec.num_gpu_blocks,
-        "host_blocks_total": 0,
+        "host_blocks_total": spec.num_host_blocks,
         "peak_gpu_blocks": peak,
-        "peak_host_blocks": 0,
+        "peak_host_blocks": manager.peak_host_blocks,
         "peak_gpu_bytes": peak * block_bytes(wl),
         "allocated_blocks": manager.allocated_blocks,
         "evicted_blocks": manager.evicted_blocks,
-        "onboard_blocks": 0,
-        "offload_blocks": 0,
+        "onboard_blocks": manager.onboard_blocks,
+        "offload_blocks": manager.offload_blocks,
+        "host_evicted_blocks": manager.host_evicted_blocks,
         "partial_copy_blocks": manager.partial_copy_blocks,
         "wall_s": wall,
         "verified": None,
         "max_abs_err": None,
     }
+    if plane is not None:
+        metrics.update(plane.metrics())
     return RunOutcome(name, wl, metrics, result.timeline.to_json())
+
+
+def _run_serve(
+    name: str, wl: Workload, requests: list[Request], progress: ProgressFactory | None
+) -> RunOutcome:
+    spec = cache_spec(wl)
+    _check_serve_fits(wl, requests, spec.num_gpu_blocks)
+    t0 = time.perf_counter()
+    manager = KVCacheManager(spec)
+    sched = wl.scheduler
+    advance = progress(name, len(requests)) if progress is not None else None
+    result = run_serve(
+        requests, manager, Scheduler(sched, spec.tokens_per_block),
+        StepClock(wl.model, hardware_from_config(wl.hardware)),
+        revert_deferred_ctx=sched.revert_deferred_ctx, batch_add=wl.cache.add_sequence == "batch",
+        on_progress=advance)
+    # Unlimited cache, same order; stored blocks include decoded ones, as in the run.
+    refs = reference_hit_rates(
+        [r.view(r.input_length) for r in requests], spec.tokens_per_block, None,
+        partial_reuse=spec.enable_partial_reuse, block_reuse=spec.enable_block_reuse)
+    wall = time.perf_counter() - t0
+    for r in requests:
+        r.drop_keys()
+    states = result.requests
+    prompt = sum(r.input_length for r in requests)
+    reused = sum(s.reused for s in states)
+    reused_host = sum(s.reused_host for s in states)
+    output = sum(r.output_length for r in requests)
+    ttft = [(s.first_token_s - s.request.arrival_s) * 1e3 for s in states
+            if s.request.output_length]
+    tpot = [(s.finish_s - s.first_token_s) * 1e3 / (s.request.output_length - 1)
+            for s in states if s.request.output_length > 1]
+    e2e = [(s.finish_s - s.request.arrival_s) * 1e3 for s in states]
+    peak = manager.gpu.peak_in_use
+    metrics = {
+        "requests": len(requests),
+        "prompt_tokens": prompt,
+        "reused_tokens": reused,
+        "reused_tokens_gpu": reused - reused_host,
+        "reused_tokens_host": reused_host,
+        "reused_partial_tokens": sum(s.reused_partial for s in states),
+        "hit_rate": reused / prompt,
+        "ideal_hit_rate": refs.ideal_hit_rate,
+        "optimal_hit_rate": None,
+        "gpu_blocks_total": spec.num_gpu_blocks,
+        "host_blocks_total": spec.num_host_blocks,
+        "peak_gpu_blocks": peak,
+        "peak_host_blocks": manager.peak_host_blocks,
+        "peak_gpu_bytes": peak * block_bytes(wl),
+        "allocated_blocks": manager.allocated_blocks,
+        "evicted_blocks": manager.evicted_blocks,
+        "onboard_blocks": manager.onboard_blocks,
+        "offload_blocks": manager.offload_blocks,
+        "host_evicted_blocks": manager.host_evicted_blocks,
+        "partial_copy_blocks": manager.partial_copy_blocks,
+        "iterations": result.iterations,
+        "preemptions": result.preemptions,
+        "output_tokens": output,
+        "computed_tokens": result.computed_tokens,
+        "duration_s": result.duration_s,
+        "throughput_tokens_per_s": output / result.duration_s if result.duration_s > 0 else 0.0,
+        "ttft_ms": _distribution(ttft),
+        "tpot_ms": _distribution(tpot),
+        "e2e_ms": _distribution(e2e),
+        "time_source": "modeled",
+        "mnt_overflow_steps": result.mnt_overflow_steps,
+        "max_mnt_overshoot_tokens": result.max_mnt_overshoot_tokens,
+        "reuse_shortfall_tokens": result.reuse_shortfall_tokens,
+        "ctx_alloc_failures": result.ctx_alloc_failures,
+        "deferred_ctx_blocks_held_peak": result.deferred_ctx_blocks_held_peak,
+        "deferred_ctx_blocks_reverted": result.deferred_ctx_blocks_reverted,
+        "batch_wait_iterations": result.batch_wait_iterations,
+        "wall_s": wall,
+        "verified": None,
+        "max_abs_err": None,
+    }
+    return RunOutcome(name, wl, metrics, result.timeline.to_json())
+
+
+def _distribution(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    a = np.asarray(values)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def _check_serve_fits(wl: Workload, requests: list[Request], num_blocks: int) -> None:
+    """Every request must be able to finish alone: its stream's computed tokens in the cache
+    and, without chunked prefill, its longest (recomputed) context in one step."""
+    s, tpb = wl.scheduler, wl.cache.tokens_per_block
+    if s.max_batch_size > s.max_num_tokens:
+        raise InputError(
+            f"{_where(wl)}: scheduler.max_batch_size ({s.max_batch_size}) exceeds "
+            f"scheduler.max_num_tokens ({s.max_num_tokens}): every running request decodes one "
+            "token per step")
+    if s.enable_chunked_prefill and s.max_num_tokens < tpb:
+        raise InputError(
+            f"{_where(wl)}: scheduler.max_num_tokens ({s.max_num_tokens}) is below one chunk "
+            f"of cache.tokens_per_block ({tpb}) tokens")
+    # A request holds KV for its prompt and all but its last generated token.
+    largest = max(requests, key=lambda r: r.input_length + max(r.output_length - 1, 0))
+    length = largest.input_length + max(largest.output_length - 1, 0)
+    need = -(-length // tpb)
+    if need > num_blocks:
+        raise InputError(
+            f"{_where(wl)}: cache.max_tokens: request {largest.id} needs {need} blocks "
+            f"({length} prompt and generated tokens at tokens_per_block {tpb}) but the cache "
+            f"holds {num_blocks}; raise cache.max_tokens to at least {need * tpb}")
+    if not s.enable_chunked_prefill and length > s.max_num_tokens:
+        raise InputError(
+            f"{_where(wl)}: scheduler.max_num_tokens: request {largest.id} may need to "
+            f"(re)compute {length} tokens in one step without chunked prefill; raise "
+            f"scheduler.max_num_tokens to at least {length} or enable_chunked_prefill")

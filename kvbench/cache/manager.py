@@ -1,14 +1,25 @@
-"""Sequence lifecycle over a paged block pool with prefix reuse.
+"""Sequence lifecycle over paged block pools (GPU, optional host tier) with prefix reuse.
 
-A sequence is added (its longest cached prefix is matched and claimed), resized as its tokens
-grow (blocks allocated, empty ones first, then by evicting the least recently used free cached
-block), committed as tokens are computed (full blocks become reusable) and released (full
-blocks stay cached, the unfilled last block is kept for partial reuse or dropped).
+A sequence is added (its longest cached prefix is matched and claimed, host hits onboarded),
+resized as its tokens grow (blocks allocated, empty ones first, then by evicting the least
+recently used free cached block), committed as tokens are computed (full blocks become
+reusable) and released (full blocks stay cached, the unfilled last block is kept for partial
+reuse or dropped).
 
-Invariants (checked by `_check_sanity`): every block is empty, cached or in use;
+With a host tier, a GPU block evicted while it holds reusable data is offloaded to the host if
+the host has room or can make it by evicting its own LRU block, and if the block's priority is
+at least `secondary_offload_min_priority`. A host hit is onboarded into a fresh GPU block before
+use; the host slot it leaves is empty and is the next one the host hands out.
+
+Two add paths (DESIGN.md section 3): `add_sequence` matches, claims, onboards and returns one
+sequence at a time, so onboarding for one request may evict a block another request of the
+same step was counted on; `add_sequences` claims every match of every request first (phase 1)
+and only then onboards (phase 2), so nothing phase 2 evicts was matched by the batch.
+
+Invariants (checked by `_check_sanity`): every block is empty, cached or in use in its pool;
 `ref_count[b]` equals the number of live sequences holding `b`; a block in use is never evicted
-(eviction only takes from the free queue, which holds only blocks with ref_count 0); every
-block in the free queue is stored in the prefix index.
+(eviction takes only from free queues, which hold only blocks with ref_count 0); every block in
+a free queue is stored in the prefix index; a live sequence holds only GPU blocks.
 """
 
 from __future__ import annotations
@@ -24,7 +35,6 @@ if TYPE_CHECKING:
     from ..traffic.request import Request
 
 
-
 @dataclass(frozen=True, slots=True)
 class CacheSpec:
     """What a cache manager is built from (the YAML `cache:` section, resolved to blocks)."""
@@ -33,12 +43,16 @@ class CacheSpec:
     """Tokens per block."""
     num_gpu_blocks: int
     """GPU blocks of this life cycle."""
+    num_host_blocks: int = 0
+    """Host (secondary tier) blocks; 0 = no host tier."""
     enable_block_reuse: bool = True
     """Store computed blocks and match prompts against them."""
     enable_partial_reuse: bool = True
     """Reuse the matching leading tokens of a block that matches only in part."""
     copy_on_partial_reuse: bool = True
     """Copy a partially matched block that is in use or has children instead of giving up."""
+    secondary_offload_min_priority: int = 35
+    """Evicted GPU blocks below this retention priority are dropped, not offloaded."""
     emit_copy_ops: bool = False
     """Record every block copy as a `CopyOp` for a data plane (otherwise only count them)."""
 
@@ -48,7 +62,8 @@ class Sequence:
 
     __slots__ = (
         "request", "keys", "blocks", "num_tokens", "num_computed", "num_stored",
-        "reused_tokens", "reused_full_blocks", "partial_tokens", "partial_copied",
+        "reused_tokens", "reused_full_blocks", "reused_tokens_host", "partial_tokens",
+        "partial_copied", "_partial",
     )
 
     def __init__(self, request: Request, keys: list[BlockKey]) -> None:
@@ -64,40 +79,59 @@ class Sequence:
         """Leading blocks already in the prefix index."""
         self.reused_tokens = 0
         self.reused_full_blocks = 0
+        self.reused_tokens_host = 0
+        """Reused tokens that came from the host tier (onboarded)."""
         self.partial_tokens = 0
         self.partial_copied = False
+        self._partial: tuple[BlockId, int] | None = None
+        """A claimed, partially matched block waiting for phase 2."""
 
 
 class KVCacheManager:
-    """Prefix-reusing block manager for one life cycle on the GPU tier."""
+    """Prefix-reusing block manager for one life cycle: a GPU pool and an optional host pool
+    whose block ids follow the GPU ones in one id space."""
 
     __slots__ = (
-        "spec", "tpb", "gpu", "index", "ref_count", "priority", "copy_ops",
-        "evicted_blocks", "allocated_blocks", "partial_copy_blocks", "_live",
+        "spec", "tpb", "gpu", "host", "index", "ref_count", "priority", "copy_ops",
+        "evicted_blocks", "allocated_blocks", "partial_copy_blocks", "onboard_blocks",
+        "offload_blocks", "host_evicted_blocks", "peak_host_blocks", "_moved", "_live",
     )
 
     def __init__(self, spec: CacheSpec) -> None:
-        if spec.tokens_per_block <= 0 or spec.num_gpu_blocks <= 0:
+        if spec.tokens_per_block <= 0 or spec.num_gpu_blocks <= 0 or spec.num_host_blocks < 0:
             raise ValueError("tokens_per_block and num_gpu_blocks must be positive")
         self.spec = spec
         self.tpb = spec.tokens_per_block
-        n = spec.num_gpu_blocks
-        self.gpu = BlockPool(Tier.GPU, 0, n, n)
-        self.index = PrefixIndex(self.tpb, n, track_children=spec.enable_block_reuse and spec.enable_partial_reuse)
-        self.ref_count = [0] * n
-        self.priority = [0] * n
+        g, h = spec.num_gpu_blocks, spec.num_host_blocks
+        self.gpu = BlockPool(Tier.GPU, 0, g, g + h)
+        self.host = BlockPool(Tier.HOST, g, h, g + h) if h else None
+        track = spec.enable_block_reuse and spec.enable_partial_reuse
+        self.index = PrefixIndex(self.tpb, g + h, track_children=track)
+        self.ref_count = [0] * (g + h)
+        self.priority = [0] * (g + h)
         self.copy_ops: list[CopyOp] = []
         self.evicted_blocks = 0
+        """GPU blocks whose cached data was evicted (offloaded or dropped)."""
         self.allocated_blocks = 0
         self.partial_copy_blocks = 0
+        self.onboard_blocks = 0
+        self.offload_blocks = 0
+        self.host_evicted_blocks = 0
+        """Host blocks whose data was dropped to make room for an offload."""
+        self.peak_host_blocks = 0
+        """Most host blocks holding data at once."""
+        self._moved: dict[BlockId, BlockId] = {}
+        """Host block -> the GPU block it was onboarded to, within one add (several requests
+        of a batch may have claimed the same host block)."""
         self._live: set[Sequence] | None = None
 
     # --- public API -----------------------------------------------------------------------
 
     def match(self, request: Request) -> tuple[list[BlockId], tuple[BlockId, int] | None]:
-        """The stored blocks a new sequence of `request` would reuse now, without claiming:
-        full blocks, then at most one partially matching block with its token count. Reuse
-        stops one token short of the prompt, whose last token is always computed."""
+        """The stored blocks (GPU or host) a new sequence of `request` would reuse now,
+        without claiming: full blocks, then at most one partially matching block with its
+        token count. Reuse stops one token short of the prompt, whose last token is always
+        computed."""
         if not self.spec.enable_block_reuse:
             return [], None
         tpb = self.tpb
@@ -108,11 +142,13 @@ class KVCacheManager:
         if self.index.kids is not None:
             pos = len(full)
             parent = keys[pos - 1] if full else request.root_key
-            partial = self.index.best_partial(parent, request, pos, min(tpb, max_reuse - pos * tpb))
+            partial = self.index.best_partial(
+                parent, request, pos, min(tpb, max_reuse - pos * tpb), self._claimable)
         return full, partial
 
     def estimate_reuse(self, request: Request) -> int:
-        """Tokens a sequence added now would reuse, assuming a partial copy gets its block."""
+        """Tokens a sequence added now would reuse (what a scheduler budgets with), assuming
+        onboards and partial copies get their GPU blocks."""
         full, partial = self.match(request)
         reused = len(full) * self.tpb
         if partial is not None and self._partial_usable(partial[0]):
@@ -120,23 +156,24 @@ class KVCacheManager:
         return reused
 
     def add_sequence(self, request: Request) -> Sequence:
-        """Claim the request's reusable prefix: the new sequence holds the matched blocks."""
-        seq = Sequence(request, request.block_keys(self.tpb))
-        full, partial = self.match(request)
-        for b in full:
-            self._claim(b)
-        seq.blocks = full
-        seq.num_stored = seq.reused_full_blocks = len(full)
-        reused = len(full) * self.tpb
-        if partial is not None:
-            reused += self._reuse_partial(seq, *partial)
-        seq.reused_tokens = seq.num_computed = seq.num_tokens = reused
-        self._track(seq)
+        """Match, claim and onboard the request's reusable prefix (the sequential path)."""
+        seq = self._claim_prefix(request)
+        self._onboard(seq)
+        self._moved.clear()
         return seq
+
+    def add_sequences(self, requests: list[Request]) -> list[Sequence]:
+        """The two-phase batched add: claim the matches of all `requests` (phase 1), then
+        onboard each (phase 2). Phase 2 may evict only blocks no request of the batch matched."""
+        seqs = [self._claim_prefix(r) for r in requests]
+        for seq in seqs:
+            self._onboard(seq)
+        self._moved.clear()
+        return seqs
 
     def resize(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` blocks for `num_tokens` tokens. Returns False, allocating nothing, when
-        the pool cannot supply them; shrinking is not supported (use `release`)."""
+        the GPU pool cannot supply them; shrinking is not supported (use `release`)."""
         if num_tokens < seq.num_tokens:
             raise ValueError("resize cannot shrink a sequence")
         need = -(-num_tokens // self.tpb) - len(seq.blocks)
@@ -190,56 +227,167 @@ class KVCacheManager:
         self.gpu.num_in_use -= freed
         seq.blocks = []
 
+    def estimate_add(self, request: Request) -> tuple[int, int, int]:
+        """What adding `request` now would take, without claiming anything (a scheduler's
+        budget before allocation): tokens reused (as `estimate_reuse`), the sequence's leading
+        blocks those occupy, and free GPU blocks the add would consume (matched blocks leaving
+        the free queue, onboards of host hits, the partial match's block or its copy)."""
+        full, partial = self.match(request)
+        g, ref = self.gpu.capacity, self.ref_count
+        reused, blocks = len(full) * self.tpb, len(full)
+        draw = 0
+        for b in full:
+            if b >= g or not ref[b]:
+                draw += 1
+        if partial is not None and self._partial_usable(partial[0]):
+            reused += partial[1]
+            blocks += 1
+            draw += 1
+        return reused, blocks, draw
+
+    def shrink(self, seq: Sequence, num_tokens: int) -> int:
+        """Undo `resize` down to `num_tokens` tokens before anything past them is computed
+        (the revert of a deferred context request): the blocks beyond are returned. Returns
+        how many blocks `seq` gave up."""
+        if num_tokens < seq.num_computed:
+            raise ValueError("cannot shrink below the computed tokens")
+        keep = -(-num_tokens // self.tpb)
+        extra = seq.blocks[keep:]
+        del seq.blocks[keep:]
+        seq.num_tokens = min(seq.num_tokens, num_tokens)
+        ref, source, pool = self.ref_count, self.index.source, self.gpu
+        for b in reversed(extra):
+            r = ref[b] - 1
+            ref[b] = r
+            if r:
+                continue
+            pool.num_in_use -= 1
+            if source[b] is not None:
+                pool.free_queue.push_back(b, self.priority[b])
+            else:
+                pool.empty.append(b)
+        return len(extra)
+
     def enable_sanity_tracking(self) -> None:
         """Track live sequences so `_check_sanity` can verify ref counts (tests only)."""
         self._live = set()
 
     # --- helpers --------------------------------------------------------------------------
 
+    def _pool(self, b: BlockId) -> BlockPool:
+        return self.gpu if b < self.gpu.capacity else self.host
+
+    def _claim_prefix(self, request: Request) -> Sequence:
+        """Phase 1: hold every matched block (so no eviction can take it) and the partial
+        match's block, without allocating anything."""
+        seq = Sequence(request, request.block_keys(self.tpb))
+        full, partial = self.match(request)
+        for b in full:
+            self._claim(b)
+        seq.blocks = full
+        seq.num_stored = seq.reused_full_blocks = len(full)
+        if partial is not None and self._partial_usable(partial[0]):
+            self._claim(partial[0])
+            seq._partial = partial
+        self._track(seq)
+        return seq
+
+    def _onboard(self, seq: Sequence) -> None:
+        """Phase 2: bring host hits to the GPU and settle the partial match. A host hit that
+        cannot get a GPU block ends the reuse there (the rest is recomputed)."""
+        blocks, g = seq.blocks, self.gpu.capacity
+        tpb = self.tpb
+        matched = len(blocks)
+        for i, b in enumerate(blocks):
+            if b < g:
+                continue
+            moved = self._moved.get(b)
+            if moved is None:
+                dst = self._allocate(1, self.priority[b])
+                if dst is None:
+                    self._drop_claims(seq, i)
+                    break
+                moved = self._move_to_gpu(b, dst[0])
+            blocks[i] = moved
+            seq.reused_tokens_host += tpb
+        reused = len(blocks) * tpb
+        if seq._partial is not None:
+            b, n = seq._partial
+            b = self._moved.get(b, b)
+            seq._partial = None
+            if len(blocks) == matched:  # the full prefix survived
+                reused += self._reuse_partial(seq, b, n)
+            else:
+                self._unclaim(b)
+        seq.reused_tokens = seq.num_computed = seq.num_tokens = reused
+
+    def _drop_claims(self, seq: Sequence, keep: int) -> None:
+        for b in seq.blocks[keep:]:
+            self._unclaim(self._moved.get(b, b))
+        del seq.blocks[keep:]
+        seq.num_stored = seq.reused_full_blocks = keep
+
+    def _move_to_gpu(self, b: BlockId, dst: BlockId) -> BlockId:
+        """Onboard claimed host block `b` into fresh GPU block `dst`, which inherits every claim
+        on `b`; the host slot becomes empty and is handed out next (TensorRT-LLM #18868)."""
+        self._emit(CopyKind.ONBOARD, Tier.HOST, b, Tier.GPU, dst, self.index.num_tokens[b])
+        self.index.move(b, dst)
+        self.onboard_blocks += 1
+        self._moved[b] = dst
+        self.ref_count[dst] = self.ref_count[b]
+        self.ref_count[b] = 0
+        self.host.num_in_use -= 1
+        self.host.empty.append(b)
+        return dst
+
     def _claim(self, b: BlockId) -> None:
         r = self.ref_count[b]
         if r == 0:
-            self.gpu.free_queue.remove(b)
-            self.gpu.num_in_use += 1
-            self._bump_peak()
+            pool = self._pool(b)
+            pool.free_queue.remove(b)
+            pool.num_in_use += 1
+            if pool is self.gpu and pool.num_in_use > pool.peak_in_use:
+                pool.peak_in_use = pool.num_in_use
         self.ref_count[b] = r + 1
 
     def _unclaim(self, b: BlockId) -> None:
         r = self.ref_count[b] - 1
         self.ref_count[b] = r
         if r == 0:
-            self.gpu.num_in_use -= 1
-            self.gpu.free_queue.push_back(b, self.priority[b])
+            pool = self._pool(b)
+            pool.num_in_use -= 1
+            pool.free_queue.push_back(b, self.priority[b])
+
+    def _claimable(self, b: BlockId) -> bool:
+        """A partial match can take `b` itself, without a copy: free, on the GPU, childless.
+        Among equally long partial matches the cache prefers such a block: a copy costs a
+        block, and without `copy_on_partial_reuse` it would mean no reuse at all."""
+        return self.ref_count[b] == 0 and b < self.gpu.capacity and not self.index.has_children(b)
 
     def _partial_usable(self, b: BlockId) -> bool:
-        shared = self.ref_count[b] > 0 or self.index.has_children(b)
+        shared = self.ref_count[b] > 0 or self.index.has_children(b) or b >= self.gpu.capacity
         return not shared or self.spec.copy_on_partial_reuse
 
     def _reuse_partial(self, seq: Sequence, b: BlockId, n: int) -> int:
-        """Take a partially matched block into `seq`: claim it when nobody else can need it,
-        else copy its first `n` tokens into a fresh block. Returns the tokens reused."""
-        if self.ref_count[b] == 0 and not self.index.has_children(b):
-            # Its tokens past `n` will be overwritten, so it leaves the index.
-            self.gpu.free_queue.remove(b)
-            self.index.remove(b)
-            self.gpu.num_in_use += 1
-            self._bump_peak()
-            self.ref_count[b] = 1
+        """Settle a claimed partial match: take the block itself when nobody else can need it
+        (only this claim, no children, on the GPU), else copy its first `n` tokens into a fresh
+        block. Returns the tokens reused."""
+        if self.ref_count[b] == 1 and b < self.gpu.capacity and not self.index.has_children(b):
+            self.index.remove(b)  # its tokens past `n` will be overwritten
             seq.blocks.append(b)
-        elif self.spec.copy_on_partial_reuse:
-            self._claim(b)  # the source must survive the allocation of its copy
+        else:
             new = self._allocate(1, seq.request.priority)
+            src_tier = self._pool(b).tier
             self._unclaim(b)
             if new is None:
                 return 0
             dst = new[0]
             self.partial_copy_blocks += 1
-            if self.spec.emit_copy_ops:
-                self.copy_ops.append(CopyOp(CopyKind.PARTIAL, Tier.GPU, b, Tier.GPU, dst, n))
+            self._emit(CopyKind.PARTIAL, src_tier, b, Tier.GPU, dst, n)
             seq.blocks.append(dst)
             seq.partial_copied = True
-        else:
-            return 0
+            if src_tier is Tier.HOST:
+                seq.reused_tokens_host += n
         seq.partial_tokens = n
         return n
 
@@ -254,7 +402,10 @@ class KVCacheManager:
         del empty[len(empty) - k:]
         if k < n:
             victims = fq.pop_front_many(n - k)
-            self.index.remove_many(victims)
+            if self.host is None:
+                self.index.remove_many(victims)
+            else:
+                self._offload(victims)
             self.evicted_blocks += len(victims)
             out.extend(victims)
         ref, prio = self.ref_count, self.priority
@@ -263,13 +414,40 @@ class KVCacheManager:
             prio[b] = priority
         pool.num_in_use += n
         self.allocated_blocks += n
-        self._bump_peak()
-        return out
-
-    def _bump_peak(self) -> None:
-        pool = self.gpu
         if pool.num_in_use > pool.peak_in_use:
             pool.peak_in_use = pool.num_in_use
+        return out
+
+    def _offload(self, victims: list[BlockId]) -> None:
+        """Move evicted GPU blocks' data to the host where allowed and possible, else drop it."""
+        host, index, prio = self.host, self.index, self.priority
+        min_prio = self.spec.secondary_offload_min_priority
+        for v in victims:
+            if prio[v] < min_prio:
+                index.remove(v)
+                continue
+            if host.empty:
+                h = host.empty.pop()
+            else:
+                h = host.free_queue.pop_front()
+                if h is None:  # every host block is claimed
+                    index.remove(v)
+                    continue
+                index.remove(h)
+                self.host_evicted_blocks += 1
+            self._emit(CopyKind.OFFLOAD, Tier.GPU, v, Tier.HOST, h, index.num_tokens[v])
+            index.move(v, h)
+            prio[h] = prio[v]
+            host.free_queue.push_back(h, prio[h])
+            self.offload_blocks += 1
+        held = host.capacity - len(host.empty)
+        if held > self.peak_host_blocks:
+            self.peak_host_blocks = held
+
+    def _emit(self, kind: CopyKind, src_tier: Tier, src: BlockId, dst_tier: Tier, dst: BlockId,
+              num_tokens: int) -> None:
+        if self.spec.emit_copy_ops:
+            self.copy_ops.append(CopyOp(kind, src_tier, src, dst_tier, dst, num_tokens))
 
     def _store_tail(self, seq: Sequence) -> None:
         """Keep the computed, unfilled last block for partial reuse."""
@@ -293,20 +471,25 @@ class KVCacheManager:
             self._live.discard(seq)
 
     def _check_sanity(self) -> bool:
-        pool = self.gpu
-        assert pool._check_sanity()
+        pools = [self.gpu] + ([self.host] if self.host is not None else [])
+        for pool in pools:
+            assert pool._check_sanity()
+            in_use = 0
+            for b in range(pool.first, pool.first + pool.capacity):
+                in_queue = b in pool.free_queue
+                if self.ref_count[b] > 0:
+                    in_use += 1
+                    assert not in_queue, "a block in use sits in the free queue"
+                elif in_queue:
+                    assert self.index.is_stored(b), "a cached block is not in the index"
+            assert in_use == pool.num_in_use
         assert self.index._check_sanity()
-        for b in range(pool.capacity):
-            in_queue = b in pool.free_queue
-            if self.ref_count[b] > 0:
-                assert not in_queue, "a block in use sits in the free queue"
-            elif in_queue:
-                assert self.index.is_stored(b), "a cached block is not in the index"
-        assert sum(1 for r in self.ref_count if r > 0) == pool.num_in_use
         if self._live is not None:
-            owners = [0] * pool.capacity
+            owners = [0] * len(self.ref_count)
             for seq in self._live:
                 for b in seq.blocks:
                     owners[b] += 1
+                if seq._partial is not None:
+                    owners[seq._partial[0]] += 1
             assert owners == self.ref_count, "ref counts do not match the live sequences"
         return True

@@ -20,6 +20,7 @@ containers and tuple keys cost more than the whole rest of the replay; this does
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -76,10 +77,13 @@ class PrefixIndex:
         return out
 
     def best_partial(
-        self, parent_key: BlockKey, request: Request, position: int, limit: int
+        self, parent_key: BlockKey, request: Request, position: int, limit: int,
+        prefer: Callable[[BlockId], bool] | None = None,
     ) -> tuple[BlockId, int] | None:
         """The stored child of `parent_key` sharing the most leading tokens (at most `limit`)
-        with the request's block at `position`."""
+        with the request's block at `position`; among equally long matches, the first one
+        `prefer` accepts (the cache prefers a block it can take without a copy), else the
+        first."""
         assert self.kids is not None, "partial matching needs track_children"
         if limit <= 0:
             return None
@@ -89,6 +93,7 @@ class PrefixIndex:
         start = position * self.tpb
         ours = request.prompt_tokens(start, start + limit)
         best: tuple[BlockId, int] | None = None
+        best_ok = False
         for b in candidates:
             src_req, src_pos = self.source[b], self.position[b]
             n = min(limit, self.num_tokens[b])
@@ -96,9 +101,11 @@ class PrefixIndex:
             diff = np.flatnonzero(ours[:n] != theirs)
             common = int(diff[0]) if len(diff) else n
             if best is None or common > best[1]:
-                best = (b, common)
-                if common == limit:
-                    break
+                best, best_ok = (b, common), prefer is None or prefer(b)
+            elif common == best[1] and not best_ok and prefer(b):
+                best, best_ok = (b, common), True
+            if best[1] == limit and best_ok:
+                break
         return best
 
     def has_children(self, block: BlockId) -> bool:
@@ -179,6 +186,24 @@ class PrefixIndex:
                 del by_key[key]
                 key_of[b] = None
             source[b] = None
+
+    def move(self, src: BlockId, dst: BlockId) -> None:
+        """The data of `src` now lives in `dst` (an offload or an onboard): same key, parent,
+        tokens and source; `src` is no longer stored."""
+        key = self.key_of[src]
+        if key is not None:
+            self.by_key[key] = dst
+            self.key_of[src] = None
+        self.key_of[dst] = key
+        self.parent_of[dst] = self.parent_of[src]
+        self.num_tokens[dst] = self.num_tokens[src]
+        self.source[dst] = self.source[src]
+        self.position[dst] = self.position[src]
+        self.source[src] = None
+        if self.kids is not None:
+            self._add_kid(self.parent_of[dst], self.first_of[src], dst)
+            if len(self.kids) > self._rebuild_at:
+                self._rebuild_kids()
 
     # --- helpers --------------------------------------------------------------------------
 

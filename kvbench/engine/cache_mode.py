@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..cache.manager import KVCacheManager
+from ..cache.manager import KVCacheManager, Sequence as CacheSequence
+from ..kernels.step import StepItem
 from ..traffic.request import Request
 from .timeline import Timeline
 
@@ -14,6 +15,7 @@ from .timeline import Timeline
 class CacheModeResult:
     prompt_tokens: int
     reused_tokens: int
+    reused_tokens_host: int
     reused_full_blocks: int
     reused_partial_tokens: int
     timeline: Timeline
@@ -22,25 +24,31 @@ class CacheModeResult:
 def replay_cache_mode(
     requests: Sequence[Request], manager: KVCacheManager,
     on_progress: Callable[[int], None] | None = None, progress_every: int = 256,
+    data_plane=None,
 ) -> CacheModeResult:
     """For each request: match and claim the cached prefix, allocate the rest of the prompt,
     mark it computed, release. Raises ValueError if a request cannot get its blocks (the caller
-    checks sizes first, so this means a bug, not bad input)."""
+    checks sizes first, so this means a bug, not bad input). With a `data_plane`
+    (`kvbench.kernels.dataplane.DataPlane`; the manager must emit copy ops) each request is one
+    data-plane step that computes the prompt past its reused prefix."""
     timeline = Timeline("request", ("reused_tokens", "prompt_tokens", "in_use", "cached", "free"))
     cols = timeline.columns
     c_reused, c_prompt, c_in_use, c_cached, c_free = (
         cols["reused_tokens"], cols["prompt_tokens"], cols["in_use"], cols["cached"], cols["free"])
     pool = manager.gpu
-    prompt = reused = full = partial = 0
+    prompt = reused = host = full = partial = 0
     for i, r in enumerate(requests):
         seq = manager.add_sequence(r)
         if not manager.resize(seq, r.input_length):
             raise ValueError(f"request {r.id} does not fit in the cache")
+        if data_plane is not None:
+            _data_plane_step(data_plane, manager, r, seq)
         manager.commit(seq, r.input_length)
         in_use = pool.num_in_use
         manager.release(seq)
         prompt += r.input_length
         reused += seq.reused_tokens
+        host += seq.reused_tokens_host
         full += seq.reused_full_blocks
         partial += seq.partial_tokens
         c_reused.append(seq.reused_tokens)
@@ -52,4 +60,11 @@ def replay_cache_mode(
             on_progress(progress_every)
     if on_progress is not None:
         on_progress(len(requests) % progress_every)
-    return CacheModeResult(prompt, reused, full, partial, timeline)
+    return CacheModeResult(prompt, reused, host, full, partial, timeline)
+
+
+def _data_plane_step(data_plane, manager: KVCacheManager, r: Request, seq: CacheSequence) -> None:
+    ops = list(manager.copy_ops)
+    manager.copy_ops.clear()
+    data_plane.execute_step(
+        ops, [StepItem(r.id, r.prompt_tokens(), seq.blocks, seq.num_computed, r.input_length)])

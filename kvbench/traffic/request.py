@@ -10,6 +10,13 @@ block (tokens and namespace): equal keys mean equal prefixes. Token prompts get 
 (parent key, block tokens); trace prompts need no hashing at all, because the trace's own ids are
 already prefix-chained: the prefix ending at token `end` is identified by the id of the trace
 block holding token `end - 1` together with `end`.
+
+Serve mode decodes past the prompt. A request's *stream* is its prompt followed by its
+`output_length` generated tokens: `output_tokens` when the traffic knows them (a multi-turn
+session's next prompt repeats them, so decode blocks are reusable), else tokens derived from
+the request id, negative so they never equal a prompt token and unique per request. Blocks past
+the prompt's full ones are keyed by the chained hash of their tokens, as token prompts are.
+`StreamView` shows a stream prefix as a prompt: what the cache sees of a serve-mode sequence.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import numpy as np
 
 # Trace keys pack (hash id, prefix end) into one int; 2**24 tokens is far above any context length.
 _END_BITS = 24
+# Derived generated tokens pack (request id, offset) the same way, negated: prompt tokens are >= 0.
+_GEN_BITS = 24
 
 
 def namespace_salt(namespace: str | int | None) -> int:
@@ -56,12 +65,16 @@ class Request:
     """Key of the empty prefix: the namespace's salt, so namespaces never share blocks."""
     _keys: dict[int, list[int]] = field(default_factory=dict, repr=False)
     _firsts: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _stream_keys: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _stream_firsts: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if (self.tokens is None) == (self.hash_ids is None):
             raise ValueError("a request has either tokens or hash_ids")
         if self.tokens is not None and len(self.tokens) != self.input_length:
             raise ValueError("input_length must equal the number of tokens")
+        if self.output_tokens is not None and len(self.output_tokens) != self.output_length:
+            raise ValueError("output_length must equal the number of output_tokens")
         self.root_key = namespace_salt(self.namespace)
 
     def block_keys(self, tokens_per_block: int) -> list[int]:
@@ -96,6 +109,8 @@ class Request:
         """Forget cached keys (a long replay streams requests and frees them as it goes)."""
         self._keys.clear()
         self._firsts.clear()
+        self._stream_keys.clear()
+        self._stream_firsts.clear()
 
     def prompt_tokens(self, start: int = 0, end: int | None = None) -> np.ndarray:
         """Prompt tokens [start, end) as int64."""
@@ -103,6 +118,68 @@ class Request:
         if self.tokens is not None:
             return self.tokens[start:end]
         return self.tokens_at(np.arange(start, end, dtype=np.int64))
+
+    @property
+    def stream_length(self) -> int:
+        """Prompt and generated tokens."""
+        return self.input_length + self.output_length
+
+    def stream_tokens(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        """Stream tokens [start, end) as int64: the prompt's, then the generated ones."""
+        n = self.input_length
+        end = self.stream_length if end is None else min(end, self.stream_length)
+        if end <= n:
+            return self.prompt_tokens(start, end)
+        gen_start = max(start, n) - n
+        if self.output_tokens is not None:
+            generated = self.output_tokens[gen_start:end - n]
+        else:
+            generated = self._derived_tokens(np.arange(gen_start, end - n, dtype=np.int64))
+        if start >= n:
+            return generated
+        return np.concatenate([self.prompt_tokens(start, n), generated])
+
+    def stream_keys(self, tokens_per_block: int) -> list[int]:
+        """Keys of the stream's full blocks, cached per block size; the first
+        `input_length // tokens_per_block` are `block_keys`."""
+        keys = self._stream_keys.get(tokens_per_block)
+        if keys is None:
+            tpb = tokens_per_block
+            keys = list(self._keys.get(tpb) or self._compute_keys(tpb))
+            parent = keys[-1] if keys else self.root_key
+            begin = len(keys)
+            n_full = self.stream_length // tpb
+            if n_full > begin:
+                toks = self.stream_tokens(begin * tpb, n_full * tpb).tolist()
+                for b in range(n_full - begin):
+                    parent = hash((parent, *toks[b * tpb:(b + 1) * tpb]))
+                    keys.append(parent)
+            self._stream_keys[tpb] = keys
+        return keys
+
+    def stream_first_tokens(self, tokens_per_block: int) -> list[int]:
+        """The first token of every stream block (the last may be partial), cached per block
+        size; the first `ceil(input_length / tokens_per_block)` are `first_tokens`."""
+        firsts = self._stream_firsts.get(tokens_per_block)
+        if firsts is None:
+            tpb = tokens_per_block
+            firsts = list(self.first_tokens(tpb))
+            starts = np.arange(len(firsts) * tpb, self.stream_length, tpb, dtype=np.int64)
+            if len(starts):
+                offsets = starts - self.input_length
+                if self.output_tokens is not None:
+                    firsts.extend(self.output_tokens[offsets].tolist())
+                else:
+                    firsts.extend(self._derived_tokens(offsets).tolist())
+            self._stream_firsts[tpb] = firsts
+        return firsts
+
+    def view(self, length: int) -> StreamView:
+        """The first `length` stream tokens as a prompt (see `StreamView`)."""
+        return StreamView(self, length)
+
+    def _derived_tokens(self, offsets: np.ndarray) -> np.ndarray:
+        return -((self.id << _GEN_BITS) | offsets) - 1
 
     def _compute_keys(self, tpb: int) -> list[int]:
         n_full = self.input_length // tpb
@@ -121,3 +198,30 @@ class Request:
             parent = hash((parent, *toks[b * tpb:(b + 1) * tpb].tolist()))
             keys.append(parent)
         return keys
+
+
+class StreamView:
+    """A request's stream seen as a prompt of `input_length` tokens (its prompt, or after a
+    preemption its prompt and the tokens generated so far), in the interface the cache reads
+    of a `Request`. Keys, first tokens and tokens cover the whole stream, so a sequence that
+    keeps growing past `input_length` by decoding stores its generated blocks under this view."""
+
+    __slots__ = ("request", "id", "input_length", "root_key", "priority")
+
+    def __init__(self, request: Request, input_length: int) -> None:
+        if not 0 < input_length <= request.stream_length:
+            raise ValueError("a view covers 1 to stream_length tokens")
+        self.request = request
+        self.id = request.id
+        self.input_length = input_length
+        self.root_key = request.root_key
+        self.priority = request.priority
+
+    def block_keys(self, tokens_per_block: int) -> list[int]:
+        return self.request.stream_keys(tokens_per_block)
+
+    def first_tokens(self, tokens_per_block: int) -> list[int]:
+        return self.request.stream_first_tokens(tokens_per_block)
+
+    def prompt_tokens(self, start: int = 0, end: int | None = None) -> np.ndarray:
+        return self.request.stream_tokens(start, self.input_length if end is None else end)

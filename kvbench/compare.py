@@ -1,0 +1,490 @@
+"""`kvbench compare BASE NEW`: a result JSON against a baseline, metric by metric.
+
+Every run is keyed by (workload, variant). Several runs with the same key in one file are
+repeats (`kvbench run --repeat N`); their numeric metrics are merged by the median, so a
+measured timing is the median of its repeats. Each metric has a rule (`METRICS`): which
+direction is better and how far it may move. Deterministic metrics (counts, hit rates, peaks,
+modeled times on a fixed seed) get exact or epsilon tolerances; measured timings get a
+percentage and are compared only between results from the same device.
+
+Statuses, and whether they fail the comparison (exit 3):
+  ok        within tolerance
+  improved  better than the baseline beyond tolerance
+  regressed worse than the baseline beyond tolerance                      (fails)
+  mismatch  an input of the benchmark changed (requests, capacity, ideal
+            or optimal hit rate, time source): the runs are not comparable  (fails)
+  missing   in the baseline, absent from the current result                 (fails)
+  changed   a deterministic metric without a better direction moved
+  new       absent (or null) in the baseline, present now
+  skipped   a measured value from a different device or time source
+  info      not guarded: wall time, and metrics this version does not know
+
+A (workload, variant) of the baseline that the current result lacks makes the comparison
+unusable (InputError, exit 2): a dropped workload must be a deliberate baseline update, not a
+silent pass. Runs only in the current result are listed as not guarded yet.
+"""
+
+from __future__ import annotations
+
+import html
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import InputError
+from .results import read_result
+
+DEFAULT_TIMING_TOLERANCE = 0.10
+"""Relative tolerance of measured timings (median of repeats, same device)."""
+
+RATE_EPS = 1e-9
+"""Hit rates are ratios of integer counts: equal inputs give equal bits; the epsilon only
+absorbs a different summation order."""
+
+MODELED_REL_TOL = 1e-6
+"""Modeled times are deterministic, but float maths may differ in the last bits between numpy
+or libm builds."""
+
+DEVICE_KEYS = ("device", "gpu", "machine", "platform", "cpu_count")
+"""Environment keys that must all be equal for measured values to be compared."""
+
+FAILING = ("regressed", "mismatch", "missing")
+STATUS_ORDER = ("regressed", "mismatch", "missing", "improved", "changed", "new", "skipped",
+                "info", "ok")
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """How one metric is judged.
+
+    better: higher | lower (directional), match (must not change: an input of the benchmark),
+    either (deterministic, no better direction), info (never judged).
+    scope: any (deterministic: compared anywhere), device (only between results from the same
+    device), time (a timing: exact-ish when both runs are `time_source: modeled`, else
+    `--timing-tolerance` on the same device).
+    A value passes when |new - base| <= max(abs_tol, rel_tol * |base|).
+    """
+
+    better: str
+    abs_tol: float = 0.0
+    rel_tol: float = 0.0
+    scope: str = "any"
+
+
+_HIGHER = Rule("higher")
+_LOWER = Rule("lower")
+_EITHER = Rule("either")
+_MATCH = Rule("match")
+_TIME_LOWER = Rule("lower", scope="time")
+
+METRICS: dict[str, Rule] = {
+    # Inputs and references: fixed by traffic and capacity, not by the cache's decisions.
+    "requests": _MATCH,
+    "prompt_tokens": _MATCH,
+    "gpu_blocks_total": _MATCH,
+    "host_blocks_total": _MATCH,
+    "ideal_hit_rate": Rule("match", abs_tol=RATE_EPS),
+    "optimal_hit_rate": Rule("match", abs_tol=RATE_EPS),
+    "time_source": _MATCH,
+    # Reuse.
+    "reused_tokens": _HIGHER,
+    "reused_tokens_gpu": _HIGHER,
+    "hit_rate": Rule("higher", abs_tol=RATE_EPS),
+    "reused_tokens_host": _EITHER,
+    "reused_full_blocks": _EITHER,
+    "reused_partial_tokens": _EITHER,
+    # Memory.
+    "peak_gpu_blocks": _LOWER,
+    "peak_gpu_bytes": _LOWER,
+    "peak_host_blocks": _EITHER,
+    "scratch_slots_peak": _LOWER,
+    "deferred_ctx_blocks_held_peak": _LOWER,
+    # Traffic.
+    "allocated_blocks": _LOWER,
+    "evicted_blocks": _LOWER,
+    "host_evicted_blocks": _LOWER,
+    "onboard_blocks": _EITHER,
+    "offload_blocks": _EITHER,
+    "partial_copy_blocks": _EITHER,
+    # Serving.
+    "iterations": _EITHER,
+    "preemptions": _LOWER,
+    "mnt_overflow_steps": _LOWER,
+    "max_mnt_overshoot_tokens": _LOWER,
+    "reuse_shortfall_tokens": _LOWER,
+    "throughput_tokens_per_s": Rule("higher", scope="time"),
+    "ttft_ms": _TIME_LOWER,
+    "tpot_ms": _TIME_LOWER,
+    # Data plane: numerics differ between kernels and devices.
+    "verified": _HIGHER,
+    "max_abs_err": Rule("lower", abs_tol=1e-4, rel_tol=1.0, scope="device"),
+    # Harness wall time (includes the oracle); never a gate.
+    "wall_s": Rule("info"),
+}
+"""Rules by metric name; a nested metric (`ttft_ms.p99`) uses its parent's rule."""
+
+
+@dataclass(slots=True)
+class MergedRun:
+    """The runs of one (workload, variant) in one result, repeats merged."""
+
+    workload: str
+    variant: str
+    metrics: dict
+    config: dict
+    timeline: dict
+    repeats: int
+
+
+@dataclass(frozen=True, slots=True)
+class MetricRow:
+    metric: str
+    base: object
+    new: object
+    status: str
+    tolerance: str = ""
+    note: str = ""
+
+    @property
+    def failing(self) -> bool:
+        return self.status in FAILING
+
+
+@dataclass(slots=True)
+class RunComparison:
+    workload: str
+    variant: str
+    base_repeats: int
+    new_repeats: int
+    rows: list[MetricRow]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        return f"{self.workload} / {self.variant}"
+
+
+@dataclass(slots=True)
+class Comparison:
+    base_name: str
+    new_name: str
+    base_device: str
+    new_device: str
+    same_device: bool
+    runs: list[RunComparison]
+    unguarded: list[str]
+    """Runs in the current result that the baseline does not have."""
+
+    @property
+    def failures(self) -> list[tuple[RunComparison, MetricRow]]:
+        return [(run, row) for run in self.runs for row in run.rows if row.failing]
+
+    def counts(self) -> dict[str, int]:
+        counts = {status: 0 for status in STATUS_ORDER}
+        for run in self.runs:
+            for row in run.rows:
+                counts[row.status] += 1
+        return {status: n for status, n in counts.items() if n}
+
+    def failure_line(self) -> str:
+        """One line naming the failing metrics (the first few), for the exit-3 message."""
+        failures = self.failures
+        shown = [f"{run.title}: {row.metric} {_value(row.base)} -> {_value(row.new)} ({row.status})"
+                 for run, row in failures[:5]]
+        more = f"; and {len(failures) - 5} more" if len(failures) > 5 else ""
+        return f"{len(failures)} failing metric(s) vs {self.base_name}: {'; '.join(shown)}{more}"
+
+
+def compare_files(base_path: str | Path, new_path: str | Path, *,
+                  timing_tolerance: float = DEFAULT_TIMING_TOLERANCE) -> Comparison:
+    return compare_results(read_result(base_path), read_result(new_path),
+                           timing_tolerance=timing_tolerance,
+                           base_name=str(base_path), new_name=str(new_path))
+
+
+def compare_results(base: dict, new: dict, *, timing_tolerance: float = DEFAULT_TIMING_TOLERANCE,
+                    base_name: str = "baseline", new_name: str = "current") -> Comparison:
+    """Judge every metric of every baseline run against the current result. Raises InputError
+    when the current result lacks a (workload, variant) of the baseline."""
+    base_runs, new_runs = merge_repeats(base), merge_repeats(new)
+    absent = [key for key in base_runs if key not in new_runs]
+    if absent:
+        shown = ", ".join(f"{w}/{v}" for w, v in absent[:5])
+        more = f" and {len(absent) - 5} more" if len(absent) > 5 else ""
+        raise InputError(
+            f"{new_name}: no run of {shown}{more}, which {base_name} has; run the whole suite, "
+            "or update the baseline if the workload was dropped on purpose")
+    base_env, new_env = base.get("environment") or {}, new.get("environment") or {}
+    same_device = device_of(base_env) == device_of(new_env)
+    judge = _Judge(same_device, timing_tolerance)
+    runs = []
+    for key, b in base_runs.items():
+        n = new_runs[key]
+        run = RunComparison(b.workload, b.variant, b.repeats, n.repeats,
+                            judge.rows(b.metrics, n.metrics))
+        changed = _config_changes(b.config, n.config)
+        if changed:
+            run.notes.append("config differs: " + "; ".join(changed))
+        runs.append(run)
+    return Comparison(
+        base_name=base_name, new_name=new_name,
+        base_device=describe_device(base_env), new_device=describe_device(new_env),
+        same_device=same_device, runs=runs,
+        unguarded=[f"{w}/{v}" for w, v in new_runs if (w, v) not in base_runs],
+    )
+
+
+def merge_repeats(result: dict) -> dict[tuple[str, str], MergedRun]:
+    """Runs by (workload, variant) in first-seen order; repeats merged: numbers by the median
+    (per key for nested metrics), anything else and the timeline from the first repeat."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    default_workload = (result.get("workload") or {}).get("name", "workload")
+    for run in result["runs"]:
+        groups.setdefault((run.get("workload", default_workload), run["variant"]), []).append(run)
+    return {
+        key: MergedRun(key[0], key[1], _median_metrics([r.get("metrics") or {} for r in runs]),
+                       runs[0].get("config") or {}, runs[0].get("timeline") or {}, len(runs))
+        for key, runs in groups.items()
+    }
+
+
+def baseline_of(result: dict) -> dict:
+    """The result as a baseline: timelines dropped (compare never reads them; they would only
+    bloat the committed file and its diffs)."""
+    return {**result, "runs": [{k: v for k, v in run.items() if k != "timeline"}
+                               for run in result["runs"]]}
+
+
+def flatten_metrics(metrics: dict, prefix: str = "") -> dict:
+    """Nested metrics as dotted names: {"ttft_ms": {"p50": 1}} -> {"ttft_ms.p50": 1}."""
+    flat = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            flat.update(flatten_metrics(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def device_of(environment: dict) -> tuple:
+    return tuple(environment.get(k) for k in DEVICE_KEYS)
+
+
+def describe_device(environment: dict) -> str:
+    return ", ".join(f"{k}={environment[k]}" for k in DEVICE_KEYS if k in environment) or "unknown"
+
+
+def rule_for(metric: str) -> Rule | None:
+    return METRICS.get(metric) or METRICS.get(metric.split(".", 1)[0])
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+
+def print_comparison(console, comparison: Comparison) -> None:
+    """A rich table per workload/variant, then the notes and a summary line."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    colors = {"regressed": "red", "mismatch": "red", "missing": "red", "improved": "green",
+              "changed": "yellow", "skipped": "dim", "info": "dim", "new": "cyan"}
+    if not comparison.same_device:
+        console.print(f"measured values not compared: baseline on {comparison.base_device}, "
+                      f"current on {comparison.new_device}", style="dim", highlight=False,
+                      markup=False)
+    for run in comparison.runs:
+        table = Table(title=_run_heading(run), title_justify="left", box=box.SIMPLE_HEAD,
+                      pad_edge=False, collapse_padding=True)
+        table.add_column("metric", no_wrap=True)
+        # Fold, never crop: a cropped number reads as a different number.
+        for name in ("baseline", "current", "change", "tolerance"):
+            table.add_column(name, justify="right", overflow="fold")
+        table.add_column("status", no_wrap=True)
+        for row in run.rows:
+            color = colors.get(row.status)
+            status = f"[{color}]{row.status}[/{color}]" if color else row.status
+            cells = (row.metric, _value(row.base), _value(row.new), _change(row.base, row.new),
+                     row.tolerance)
+            table.add_row(*map(escape, cells), status + (f" ({row.note})" if row.note else ""))
+        console.print(table)
+        for note in run.notes:
+            console.print(f"  {note}", highlight=False, markup=False)
+    if comparison.unguarded:
+        console.print("not in the baseline (not guarded until it is updated): "
+                      + ", ".join(comparison.unguarded), highlight=False, markup=False)
+    console.print(_summary_line(comparison), highlight=False, markup=False)
+
+
+def to_markdown(comparison: Comparison) -> str:
+    """A job-summary / PR-comment page: verdict, the rows that are not ok, all rows folded."""
+    c = comparison
+    verdict = (f"{len(c.failures)} failing metric(s)" if c.failures else "no regressions")
+    lines = [
+        f"## kvbench compare: {verdict}",
+        "",
+        f"Baseline `{c.base_name}` ({c.base_device}) vs current `{c.new_name}` ({c.new_device}).",
+        "",
+        _summary_line(c),
+        "",
+    ]
+    if not c.same_device:
+        lines += ["Measured values were not compared: the results come from different devices.", ""]
+    notable = sorted(((run, row) for run in c.runs for row in run.rows
+                      if row.status not in ("ok", "info")),
+                     key=lambda pair: STATUS_ORDER.index(pair[1].status))
+    if notable:
+        lines += _md_table(("workload / variant", "metric", "baseline", "current", "change",
+                            "tolerance", "status"),
+                           [(run.title, *_md_cells(row)) for run, row in notable])
+        lines.append("")
+    notes = [f"- {run.title}: {note}" for run in c.runs for note in run.notes]
+    if c.unguarded:
+        notes.append("- not in the baseline (not guarded until it is updated): "
+                     + ", ".join(c.unguarded))
+    if notes:
+        lines += notes + [""]
+    lines += [f"<details><summary>All metrics ({len(c.runs)} runs)</summary>", ""]
+    for run in c.runs:
+        lines += [f"### {_run_heading(run)}", ""]
+        lines += _md_table(("metric", "baseline", "current", "change", "tolerance", "status"),
+                           [_md_cells(row) for row in run.rows])
+        lines.append("")
+    lines += ["</details>", ""]
+    return "\n".join(lines)
+
+
+# --- judging -------------------------------------------------------------------------------------
+
+
+class _Judge:
+    def __init__(self, same_device: bool, timing_tolerance: float) -> None:
+        self.same_device = same_device
+        self.timing_tolerance = timing_tolerance
+
+    def rows(self, base: dict, new: dict) -> list[MetricRow]:
+        flat_base, flat_new = flatten_metrics(base), flatten_metrics(new)
+        modeled = base.get("time_source") == new.get("time_source") == "modeled"
+        same_time_source = base.get("time_source") == new.get("time_source")
+        names = list(flat_base) + [k for k in flat_new if k not in flat_base]
+        return [self.row(name, flat_base.get(name), flat_new.get(name), modeled, same_time_source)
+                for name in names]
+
+    def row(self, name: str, b, n, modeled: bool, same_time_source: bool) -> MetricRow:
+        rule = rule_for(name)
+        if rule is None or rule.better == "info":
+            return MetricRow(name, b, n, "info")
+        if b is None and n is None:
+            return MetricRow(name, b, n, "ok")
+        if n is None:
+            return MetricRow(name, b, n, "missing")
+        if b is None:
+            return MetricRow(name, b, n, "new")
+        abs_tol, rel_tol = rule.abs_tol, rule.rel_tol
+        if rule.scope == "time":
+            if not same_time_source:
+                return MetricRow(name, b, n, "skipped", note="time sources differ")
+            if modeled:
+                rel_tol = max(rel_tol, MODELED_REL_TOL)
+            elif self.same_device:
+                rel_tol = self.timing_tolerance
+            else:
+                return MetricRow(name, b, n, "skipped", note="different device")
+        elif rule.scope == "device" and not self.same_device:
+            return MetricRow(name, b, n, "skipped", note="different device")
+        tolerance = _tolerance_text(abs_tol, rel_tol)
+        if not (_is_number(b) and _is_number(n)):
+            same = b == n
+            status = "ok" if same else ("mismatch" if rule.better == "match" else "changed")
+            return MetricRow(name, b, n, status, tolerance)
+        diff = float(n) - float(b)
+        if abs(diff) <= max(abs_tol, rel_tol * abs(float(b))):
+            return MetricRow(name, b, n, "ok", tolerance)
+        if rule.better == "match":
+            return MetricRow(name, b, n, "mismatch", tolerance)
+        if rule.better == "either":
+            return MetricRow(name, b, n, "changed", tolerance)
+        better = diff > 0 if rule.better == "higher" else diff < 0
+        return MetricRow(name, b, n, "improved" if better else "regressed", tolerance)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float))  # bools too: True beats False
+
+
+def _median_metrics(repeats: list[dict]) -> dict:
+    if len(repeats) == 1:
+        return repeats[0]
+    merged = {}
+    for key, first in repeats[0].items():
+        values = [m.get(key) for m in repeats]
+        if isinstance(first, dict) and all(isinstance(v, dict) for v in values):
+            merged[key] = _median_metrics(values)
+        elif all(_is_number(v) and not isinstance(v, bool) for v in values):
+            merged[key] = statistics.median(values)
+        else:
+            merged[key] = first
+    return merged
+
+
+def _config_changes(base: dict, new: dict, limit: int = 5) -> list[str]:
+    flat_base, flat_new = flatten_metrics(base), flatten_metrics(new)
+    changed = [f"{k} {_value(flat_base.get(k))} -> {_value(flat_new.get(k))}"
+               for k in sorted(flat_base.keys() | flat_new.keys())
+               if flat_base.get(k) != flat_new.get(k)]
+    return changed[:limit] + ([f"and {len(changed) - limit} more"] if len(changed) > limit else [])
+
+
+# --- formatting ----------------------------------------------------------------------------------
+
+
+def _value(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:,.6g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.3e}"
+
+
+def _change(b, n) -> str:
+    if not (_is_number(b) and _is_number(n)) or isinstance(b, bool) or isinstance(n, bool):
+        return ""
+    diff = n - b
+    if diff == 0:
+        return "0"
+    if b:
+        return f"{100 * diff / abs(b):+.3g}%"
+    return f"{diff:+,}" if isinstance(diff, int) else f"{diff:+.4g}"
+
+
+def _tolerance_text(abs_tol: float, rel_tol: float) -> str:
+    parts = ([f"±{abs_tol:g}"] if abs_tol else []) + ([f"±{100 * rel_tol:g}%"] if rel_tol else [])
+    return " or ".join(parts) or "exact"
+
+
+def _run_heading(run: RunComparison) -> str:
+    reps = ""
+    if run.base_repeats > 1 or run.new_repeats > 1:
+        reps = f" (median of {run.base_repeats} / {run.new_repeats} repeats)"
+    return run.title + reps
+
+
+def _summary_line(c: Comparison) -> str:
+    counts = ", ".join(f"{n} {status}" for status, n in c.counts().items())
+    return f"{len(c.runs)} runs compared: {counts or 'no metrics'}"
+
+
+def _md_cells(row: MetricRow) -> tuple[str, ...]:
+    status = f"**{row.status}**" if row.failing else row.status
+    return (f"`{row.metric}`", _value(row.base), _value(row.new), _change(row.base, row.new),
+            row.tolerance, status + (f" ({row.note})" if row.note else ""))
+
+
+def _md_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    def cell(text: str) -> str:
+        return html.escape(text, quote=False).replace("|", "\\|")
+
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows])

@@ -1,0 +1,182 @@
+"""Serve-mode scheduling policy, modeled on TensorRT-LLM's py_executor (DESIGN.md section 3).
+
+Each step, after every decoding request has its one generation token (they come first and
+always fit: `max_batch_size <= max_num_tokens` is checked up front):
+
+- **Context requests, FCFS.** Requests already prefilling (oldest first), then waiting ones
+  in arrival order, each while a batch slot, `max_num_tokens` budget and free blocks remain.
+  The first request that does not fit ends the pass (no request overtakes an older one).
+- **Chunked prefill.** A request whose remaining context exceeds the budget gets a chunk of the
+  budget rounded down to whole blocks (the chunk unit is `tokens_per_block`), or waits when
+  chunking is off. A new request's remaining context starts after its *estimated* reuse: reuse
+  shifts the chunk window, it does not shrink a chunk.
+- **Reuse estimate before allocation.** A waiting request is costed with the reuse the prefix
+  index shows now (`KVCacheManager.estimate_add`), in tokens against the budget and in blocks
+  against the free pool. The cache adds and allocates later; if the actual reuse falls short, a
+  last chunk computes more than it was budgeted (the MNT overflow the loop counts).
+- **Delay batching** (`defer`), as TensorRT-LLM's `_waiting_requests`: only when a step has
+  both context and generation requests, context requests are deferred while fewer than
+  `batch_wait_timeout_iters` consecutive steps have waited and the step's scheduled tokens
+  (generation tokens plus the context tokens budgeted, net of estimated reuse, as TensorRT-LLM's
+  reuse-aware count) are below `batch_wait_max_tokens_ratio * max_num_tokens`. With a timeout
+  of 0 it never defers.
+
+Preemption (a running request that cannot get its next block suspends the newest running
+request) is the loop's, since it moves requests and blocks.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from heapq import heappop
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..cache.manager import KVCacheManager, Sequence
+    from ..config import SchedulerConfig
+    from ..traffic.request import Request, StreamView
+
+
+class Phase(IntEnum):
+    WAITING = 0
+    PREFILL = 1
+    DECODE = 2
+    DONE = 3
+
+
+class ServeRequest:
+    """A request's state in serve mode."""
+
+    __slots__ = (
+        "request", "idx", "phase", "view", "seq", "context_len", "generated", "pre_tokens",
+        "reused", "reused_host", "reused_partial", "first_token_s", "finish_s", "d_step0", "d_pos0", "d_gen0", "finish_step",
+        "version",
+    )
+
+    def __init__(self, request: Request, idx: int) -> None:
+        self.request = request
+        self.idx = idx
+        """Position in arrival order: FCFS order, and the largest is the newest."""
+        self.phase = Phase.WAITING
+        self.context_len = request.input_length
+        """Tokens the current context phase prefills: the prompt, or after a preemption the
+        prompt and the tokens generated so far (recomputed)."""
+        self.view: StreamView = request.view(self.context_len)
+        self.seq: Sequence | None = None
+        self.generated = 0
+        self.pre_tokens = -1
+        """Tokens `seq` had blocks for before its pending chunk was allocated (-1: none
+        pending); a reverted deferral shrinks back to it."""
+        self.reused = -1
+        """Prompt tokens reused by the add whose chunk computed first (-1: not yet)."""
+        self.reused_host = self.reused_partial = 0
+        """Of those: from the host tier, by a partial match."""
+        self.first_token_s = -1.0
+        self.finish_s = -1.0
+        # Decoding: at step d_step0 + k the request computes position d_pos0 + k and then
+        # holds d_gen0 + k + 1 generated tokens; its last step is finish_step.
+        self.d_step0 = self.d_pos0 = self.d_gen0 = self.finish_step = 0
+        self.version = 0
+        """Bumped when a pending decode event goes stale (preemption)."""
+
+
+class ContextWork:
+    """One context request's part of a step: planned by the scheduler, placed by the loop."""
+
+    __slots__ = ("req", "new", "estimated", "chunk", "last", "start", "end")
+
+    def __init__(self, req: ServeRequest, new: bool, estimated: int, chunk: int,
+                 last: bool) -> None:
+        self.req = req
+        self.new = new
+        """The request is added to the cache this step (else it continues its sequence)."""
+        self.estimated = estimated
+        """Where the chunk was budgeted to start: the estimated reuse of a new request, the
+        computed tokens of a continuing one."""
+        self.chunk = chunk
+        """Tokens budgeted."""
+        self.last = last
+        """The chunk reaches the end of the context."""
+        self.start = self.end = 0
+        """Tokens [start, end) computed, once the cache has placed the request."""
+
+
+class Scheduler:
+    """Budget, chunking, FCFS admission and delay batching (see the module docstring)."""
+
+    __slots__ = ("max_num_tokens", "max_batch_size", "chunked", "tpb", "wait_timeout",
+                 "wait_ratio", "waiting_enabled", "wait_iters")
+
+    def __init__(self, cfg: SchedulerConfig, tokens_per_block: int) -> None:
+        self.max_num_tokens = cfg.max_num_tokens
+        self.max_batch_size = cfg.max_batch_size
+        self.chunked = cfg.enable_chunked_prefill
+        self.tpb = tokens_per_block
+        self.wait_timeout = cfg.batch_wait_timeout_iters
+        self.wait_ratio = cfg.batch_wait_max_tokens_ratio
+        self.waiting_enabled = self.wait_timeout > 0 or self.wait_ratio > 0
+        self.wait_iters = 0
+        """Consecutive steps context requests have been deferred."""
+
+    def plan_context(
+        self, prefilling: list[ServeRequest], waiting: list[tuple[int, ServeRequest]],
+        num_gen: int, num_active: int, cache: KVCacheManager,
+    ) -> list[ContextWork]:
+        """The step's context chunks after `num_gen` generation tokens. Admitted requests are
+        popped from `waiting` (a heap by arrival order); `num_active` counts requests holding
+        a sequence, which may not exceed `max_batch_size`."""
+        budget = self.max_num_tokens - num_gen
+        slots = self.max_batch_size - num_gen
+        free = cache.gpu.num_free
+        tpb = self.tpb
+        plan: list[ContextWork] = []
+        for r in prefilling:
+            if slots <= 0 or budget <= 0:
+                return plan
+            seq = r.seq
+            start = seq.num_computed
+            chunk, last = self._chunk(r.context_len - start, budget)
+            if not chunk:
+                return plan
+            need = -(-(start + chunk) // tpb) - len(seq.blocks)
+            if need > free:
+                return plan
+            free -= max(need, 0)
+            budget -= chunk
+            slots -= 1
+            plan.append(ContextWork(r, False, start, chunk, last))
+        while waiting and slots > 0 and budget > 0 and num_active < self.max_batch_size:
+            r = waiting[0][1]
+            reused, blocks, draw = cache.estimate_add(r.view)
+            chunk, last = self._chunk(r.context_len - reused, budget)
+            if not chunk:
+                break
+            need = draw + -(-(reused + chunk) // tpb) - blocks
+            if need > free:
+                break
+            heappop(waiting)
+            free -= need
+            budget -= chunk
+            slots -= 1
+            num_active += 1
+            plan.append(ContextWork(r, True, reused, chunk, last))
+        return plan
+
+    def defer(self, scheduled_tokens: int, num_ctx: int, num_gen: int) -> bool:
+        """Whether this step's context requests wait (delay batching); counts the wait."""
+        if not (self.waiting_enabled and num_ctx and num_gen):
+            return False
+        if (self.wait_iters < self.wait_timeout
+                and scheduled_tokens < self.wait_ratio * self.max_num_tokens):
+            self.wait_iters += 1
+            return True
+        self.wait_iters = 0
+        return False
+
+    def _chunk(self, remaining: int, budget: int) -> tuple[int, bool]:
+        """(tokens, is the last chunk) for a context with `remaining` tokens to compute."""
+        if remaining <= budget:
+            return remaining, True
+        if not self.chunked:
+            return 0, False
+        return budget // self.tpb * self.tpb, False

@@ -1,0 +1,465 @@
+"""Serve mode: an iteration loop with arrivals on a modeled clock (DESIGN.md section 3).
+
+One step: requests that have arrived join the waiting queue; every decoding request gets its
+generation token, and a block when that token starts one (if the pool is dry, the newest running
+request is preempted: its computed blocks are committed and released, and it waits to recompute
+its prompt and the tokens generated so far, reusing whatever of them is still cached); the
+scheduler plans context chunks with reuse *estimates*; the cache adds the new context requests
+(`sequential`: match, onboard and allocate one request at a time; `batch`: claim every match
+first) and allocates their chunks; delay batching may defer the context requests (with
+`revert_deferred_ctx` their blocks for the step are returned at once, without it they stay
+held); the tokens actually computed are counted against `max_num_tokens` (an MNT overflow when
+reuse fell short of its estimate); the clock advances by the step's modeled time; computed
+blocks are committed and finished requests released.
+
+Decode costs Python work per block, not per token: a decoding request has pending events only
+where it needs a block or finishes, and runs of steps with no event, no context work and no
+arrival are advanced in one jump (the clock has their time in closed form). Such a run changes
+nothing but positions, so the jump is exactly the steps it stands for.
+
+Per-step records (`StepRecord`, one per jump too) go to an optional observer, so tests and a
+data plane can see which requests computed which tokens; the compact `Timeline` keeps one row
+per step or jump for plots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from heapq import heappop, heappush
+
+from ..cache.manager import KVCacheManager
+from ..traffic.request import Request
+from .clock import StepClock
+from .scheduler import ContextWork, Phase, Scheduler, ServeRequest
+from .timeline import Timeline
+
+TIMELINE_COLUMNS = ("step", "steps", "time_us", "batch", "scheduled_tokens", "computed_tokens",
+                    "in_use", "cached", "free")
+"""Timeline columns: first step, steps the row stands for, start time, then per step: requests
+scheduled, tokens budgeted and computed, GPU blocks in use, cached and empty after the step."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContextChunk:
+    """Context tokens one request computed in a step."""
+
+    request_id: int
+    start: int
+    """First token computed (after the reused or already computed ones)."""
+    end: int
+    """One past the last token computed."""
+    scheduled: int
+    """Tokens the scheduler budgeted (less than end - start when reuse fell short)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step (or a run of `repeat` identical pure-decode steps) did."""
+
+    index: int
+    repeat: int
+    start_s: float
+    duration_s: float
+    """Of all `repeat` steps."""
+    context: tuple[ContextChunk, ...]
+    generation: tuple[tuple[int, int], ...]
+    """(request id, position of the token it computes in the first step); one token per
+    request per step, at the next position each step."""
+    deferred: tuple[int, ...]
+    """Context requests delay batching held back."""
+    preempted: tuple[int, ...]
+    finished: tuple[int, ...]
+    scheduled_tokens: int
+    """Per step."""
+    computed_tokens: int
+    """Per step."""
+
+
+@dataclass(slots=True)
+class ServeResult:
+    requests: list[ServeRequest]
+    """In arrival order, every one finished."""
+    iterations: int
+    duration_s: float
+    """Modeled time from the first arrival to the last finish."""
+    computed_tokens: int
+    preemptions: int
+    mnt_overflow_steps: int
+    max_mnt_overshoot_tokens: int
+    reuse_shortfall_tokens: int
+    deferred_ctx_blocks_held_peak: int
+    deferred_ctx_blocks_reverted: int
+    batch_wait_iterations: int
+    ctx_alloc_failures: int
+    timeline: Timeline
+
+
+def run_serve(
+    requests: Sequence[Request], manager: KVCacheManager, scheduler: Scheduler,
+    clock: StepClock, *, revert_deferred_ctx: bool = False, batch_add: bool = False,
+    bulk_decode: bool = True, on_step: Callable[[StepRecord], None] | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> ServeResult:
+    """Serve `requests` (in arrival order) to completion. The caller has checked that each
+    fits: its whole stream in the cache and, without chunked prefill, in max_num_tokens."""
+    return ServeLoop(requests, manager, scheduler, clock, revert_deferred_ctx=revert_deferred_ctx,
+                     batch_add=batch_add, bulk_decode=bulk_decode, on_step=on_step,
+                     on_progress=on_progress).run()
+
+
+class ServeLoop:
+    """The state of one serve-mode run; `run` drives it. Observers may read `states`."""
+
+    __slots__ = (
+        "states", "manager", "scheduler", "clock", "revert", "batch_add", "bulk_decode",
+        "on_step", "on_progress", "tpb", "mnt", "waiting", "prefilling", "decoders", "dec_k",
+        "events", "step", "now", "finished", "preemptions", "overflow_steps", "max_overshoot",
+        "shortfall", "held_peak", "reverted", "wait_iterations", "alloc_failures",
+        "computed_tokens", "timeline", "_columns",
+    )
+
+    def __init__(
+        self, requests: Sequence[Request], manager: KVCacheManager, scheduler: Scheduler,
+        clock: StepClock, *, revert_deferred_ctx: bool = False, batch_add: bool = False,
+        bulk_decode: bool = True, on_step: Callable[[StepRecord], None] | None = None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.states = [ServeRequest(r, i) for i, r in enumerate(requests)]
+        self.manager = manager
+        self.scheduler = scheduler
+        self.clock = clock
+        self.revert = revert_deferred_ctx
+        self.batch_add = batch_add
+        self.bulk_decode = bulk_decode
+        self.on_step = on_step
+        self.on_progress = on_progress
+        self.tpb = manager.tpb
+        self.mnt = scheduler.max_num_tokens
+        self.waiting: list[tuple[int, ServeRequest]] = []
+        """Arrived requests holding no sequence, a heap in arrival order."""
+        self.prefilling: list[ServeRequest] = []
+        """Requests holding a sequence in a context phase, in arrival order."""
+        self.decoders: dict[int, ServeRequest] = {}
+        self.dec_k = 0
+        """Sum over decoders of d_pos0 - d_step0: at step s they read dec_k + n (s + 1) KV
+        tokens (positions + 1), so no per-step update is needed."""
+        self.events: list[tuple[int, int, int, ServeRequest]] = []
+        """(step, idx, version, request): a decoder's next block boundary or finish."""
+        self.step = 0
+        self.now = 0.0
+        self.finished = 0
+        self.preemptions = self.overflow_steps = self.max_overshoot = self.shortfall = 0
+        self.held_peak = self.reverted = self.wait_iterations = self.alloc_failures = 0
+        self.computed_tokens = 0
+        self.timeline = Timeline("step", TIMELINE_COLUMNS)
+        self._columns = tuple(self.timeline.columns[name] for name in TIMELINE_COLUMNS)
+
+    def run(self) -> ServeResult:
+        states, waiting = self.states, self.waiting
+        n = len(states)
+        arrivals = [s.request.arrival_s for s in states]
+        if any(b < a for a, b in zip(arrivals, arrivals[1:])):
+            raise ValueError("requests must come in arrival order")
+        nxt = 0
+        self.now = arrivals[0] if n else 0.0
+        reported = 0
+        while self.finished < n:
+            while nxt < n and arrivals[nxt] <= self.now:
+                heappush(waiting, (nxt, states[nxt]))
+                nxt += 1
+            if not (self.decoders or self.prefilling or waiting):
+                self.now = arrivals[nxt]
+                continue
+            if self._step() and self.bulk_decode:
+                self._jump(arrivals[nxt] if nxt < n else None)
+            if self.on_progress is not None and self.finished - reported >= 256:
+                self.on_progress(self.finished - reported)
+                reported = self.finished
+        if self.on_progress is not None:
+            self.on_progress(self.finished - reported)
+        first = arrivals[0] if n else 0.0
+        return ServeResult(
+            requests=states, iterations=self.step, duration_s=self.now - first,
+            computed_tokens=self.computed_tokens, preemptions=self.preemptions,
+            mnt_overflow_steps=self.overflow_steps, max_mnt_overshoot_tokens=self.max_overshoot,
+            reuse_shortfall_tokens=self.shortfall, deferred_ctx_blocks_held_peak=self.held_peak,
+            deferred_ctx_blocks_reverted=self.reverted,
+            batch_wait_iterations=self.wait_iterations, ctx_alloc_failures=self.alloc_failures,
+            timeline=self.timeline,
+        )
+
+    # --- one step -------------------------------------------------------------------------
+
+    def _step(self) -> bool:
+        """Run one step; True when it was pure decode with nothing left to change, so the
+        steps up to the next event or arrival would repeat it."""
+        step, mgr = self.step, self.manager
+        preempted: list[int] = []
+        finishing = self._generation_phase(preempted)
+        num_gen = len(self.decoders)
+        plan = self.scheduler.plan_context(
+            self.prefilling, self.waiting, num_gen, num_gen + len(self.prefilling), mgr)
+        if not plan and not num_gen:
+            # Running requests hold the blocks the oldest one needs and none can move:
+            # suspend the newest (the oldest always fits alone, which the caller checked).
+            if not self.prefilling:
+                raise RuntimeError("serve loop stalled with nothing running")
+            self._preempt(self._newest())
+            return False
+        work = self._place(plan)
+        scheduled = num_gen + sum(w.chunk for w in work)
+        deferred: list[int] = []
+        if work and self.scheduler.defer(scheduled, len(work), num_gen):
+            self.wait_iterations += 1
+            deferred = [w.req.request.id for w in work]
+            self._hold_or_revert(work)
+            work = []
+            scheduled = num_gen
+        # Compute: decoders at position p read p + 1 KV tokens.
+        kv = self.dec_k + num_gen * (step + 1)
+        tokens, pairs = num_gen, kv
+        for w in work:
+            c = w.end - w.start
+            tokens += c
+            pairs += c * w.start + c * (c + 1) // 2
+            kv += w.end
+            if w.new and w.estimated > w.start:
+                self.shortfall += w.estimated - w.start
+        if tokens > self.mnt:
+            self.overflow_steps += 1
+            self.max_overshoot = max(self.max_overshoot, tokens - self.mnt)
+        self.computed_tokens += tokens
+        start_s = self.now
+        dt = self.clock.step_seconds(tokens, pairs, kv)
+        self.now += dt
+        record = None
+        if self.on_step is not None:
+            record = (
+                tuple(ContextChunk(w.req.request.id, w.start, w.end, w.chunk) for w in work),
+                tuple((r.request.id, r.d_pos0 + step - r.d_step0)
+                      for r in self.decoders.values()),
+            )
+        done = self._finish_context(work)
+        for r in finishing:
+            if r.phase is Phase.DECODE:
+                self._finish_decode(r)
+                done.append(r.request.id)
+        self._row(step, 1, start_s, num_gen + len(work), scheduled, tokens)
+        if record is not None:
+            self.on_step(StepRecord(step, 1, start_s, dt, record[0], record[1], tuple(deferred),
+                                    tuple(preempted), tuple(done), scheduled, tokens))
+        self.step = step + 1
+        return not plan and not done and num_gen > 0
+
+    def _generation_phase(self, preempted: list[int]) -> list[ServeRequest]:
+        """Give each decoder with an event now its next block; returns those finishing."""
+        step, tpb, mgr, events = self.step, self.tpb, self.manager, self.events
+        finishing = []
+        while events and events[0][0] == step:
+            _, _, version, r = heappop(events)
+            if version != r.version:
+                continue
+            pos = r.d_pos0 + step - r.d_step0
+            if pos % tpb == 0:
+                seq = r.seq
+                mgr.resize(seq, pos)  # the blocks hold pos tokens already: bookkeeping only
+                mgr.commit(seq, pos)
+                while not mgr.resize(seq, pos + 1):
+                    victim = self._newest()
+                    self._preempt(victim)
+                    preempted.append(victim.request.id)
+                    if victim is r:
+                        break
+                if r.phase is not Phase.DECODE:
+                    continue
+            if step == r.finish_step:
+                finishing.append(r)
+            else:
+                self._push_event(r, step + tpb - pos % tpb)
+        return finishing
+
+    def _place(self, plan: list[ContextWork]) -> list[ContextWork]:
+        """Add the new context requests to the cache and give every planned chunk its blocks;
+        returns the chunks that got them."""
+        mgr = self.manager
+        if self.batch_add:
+            new = [w for w in plan if w.new]
+            if new:
+                for w, seq in zip(new, mgr.add_sequences([w.req.view for w in new])):
+                    w.req.seq = seq
+        placed = []
+        for w in plan:
+            r = w.req
+            if w.new:
+                if not self.batch_add:
+                    r.seq = mgr.add_sequence(r.view)
+                seq = r.seq
+                r.phase = Phase.PREFILL
+                r.pre_tokens = 0
+                self.prefilling.append(r)
+                w.start = seq.reused_tokens
+                w.end = r.context_len if w.last else min(r.context_len, w.start + w.chunk)
+            else:
+                seq = r.seq
+                w.start = seq.num_computed
+                w.end = w.start + w.chunk
+                if r.pre_tokens < 0:
+                    r.pre_tokens = seq.num_tokens
+            if w.end > seq.num_tokens and not mgr.resize(seq, w.end):
+                # Only a new request whose reuse fell short can miss its blocks: the plan
+                # reserved the rest. It waits (without its sequence) for a later step.
+                self.alloc_failures += 1
+                self._unplace(r)
+                continue
+            placed.append(w)
+        if len(self.prefilling) > 1:
+            self.prefilling.sort(key=_by_idx)
+        return placed
+
+    def _hold_or_revert(self, work: list[ContextWork]) -> None:
+        """Deferred context requests: return their blocks for the step, or keep them held."""
+        mgr, tpb = self.manager, self.tpb
+        if not self.revert:
+            held = sum(len(w.req.seq.blocks) - -(-w.req.pre_tokens // tpb) for w in work)
+            self.held_peak = max(self.held_peak, held)
+            return
+        for w in work:
+            r = w.req
+            if w.new:
+                self.reverted += len(r.seq.blocks)
+                self._unplace(r)
+            else:
+                self.reverted += mgr.shrink(r.seq, r.pre_tokens)
+                r.pre_tokens = -1
+
+    def _finish_context(self, work: list[ContextWork]) -> list[int]:
+        """Commit computed chunks; a finished context phase yields a token. Returns the ids of
+        requests that finished with it."""
+        mgr, step = self.manager, self.step
+        done = []
+        for w in work:
+            r = w.req
+            seq = r.seq
+            mgr.commit(seq, w.end)
+            r.pre_tokens = -1
+            if r.reused < 0:
+                r.reused = seq.reused_tokens
+                r.reused_host = seq.reused_tokens_host
+                r.reused_partial = seq.partial_tokens
+            if w.end < r.context_len:
+                continue
+            self.prefilling.remove(r)
+            out = r.request.output_length
+            if r.first_token_s < 0:
+                r.first_token_s = self.now
+            r.generated = min(out, r.generated + 1)
+            if r.generated >= out:
+                self._release(r)
+                done.append(r.request.id)
+                continue
+            r.phase = Phase.DECODE
+            r.d_step0, r.d_pos0, r.d_gen0 = step + 1, r.context_len, r.generated
+            r.finish_step = step + out - r.generated
+            self.decoders[r.idx] = r
+            self.dec_k += r.d_pos0 - r.d_step0
+            self._push_event(r, r.d_step0 + (-r.d_pos0) % self.tpb)
+        return done
+
+    def _finish_decode(self, r: ServeRequest) -> None:
+        mgr, seq = self.manager, r.seq
+        computed = r.d_pos0 + self.step - r.d_step0 + 1
+        if computed > seq.num_tokens:
+            mgr.resize(seq, computed)
+        mgr.commit(seq, computed)
+        self._drop_decoder(r)
+        r.generated = r.request.output_length
+        self._release(r)
+
+    # --- jumps ----------------------------------------------------------------------------
+
+    def _jump(self, next_arrival: float | None) -> None:
+        """Advance the pure-decode steps before the next event and arrival in one go."""
+        n = len(self.decoders)
+        steps = self.events[0][0] - self.step
+        kv = self.dec_k + n * (self.step + 1)
+        if next_arrival is not None:
+            steps = self.clock.decode_steps_before(n, kv, next_arrival - self.now, steps)
+        if steps <= 0:
+            return
+        start_s = self.now
+        dt = self.clock.decode_run_seconds(n, kv, steps)
+        self.now += dt
+        self.computed_tokens += n * steps
+        self._row(self.step, steps, start_s, n, n, n)
+        if self.on_step is not None:
+            gen = tuple((r.request.id, r.d_pos0 + self.step - r.d_step0)
+                        for r in self.decoders.values())
+            self.on_step(StepRecord(self.step, steps, start_s, dt, (), gen, (), (), (), n, n))
+        self.step += steps
+
+    def _row(self, step: int, steps: int, start_s: float, batch: int, scheduled: int,
+             computed: int) -> None:
+        pool = self.manager.gpu
+        values = (step, steps, round(start_s * 1e6), batch, scheduled, computed,
+                  pool.num_in_use, pool.num_cached, len(pool.empty))
+        for column, value in zip(self._columns, values):
+            column.append(value)
+
+    # --- request moves --------------------------------------------------------------------
+
+    def _push_event(self, r: ServeRequest, boundary_step: int) -> None:
+        heappush(self.events, (min(boundary_step, r.finish_step), r.idx, r.version, r))
+
+    def _newest(self) -> ServeRequest:
+        newest = max(self.decoders) if self.decoders else -1
+        if self.prefilling and self.prefilling[-1].idx > newest:
+            return self.prefilling[-1]
+        return self.decoders[newest]
+
+    def _preempt(self, r: ServeRequest) -> None:
+        """Suspend a running request: keep what it computed cached, and queue it to recompute
+        its prompt and the tokens generated so far."""
+        seq = r.seq
+        if r.phase is Phase.DECODE:
+            computed = r.d_pos0 + self.step - r.d_step0
+            r.generated = r.d_gen0 + self.step - r.d_step0
+            self._drop_decoder(r)
+            if computed > seq.num_tokens:
+                self.manager.resize(seq, computed)
+            self.manager.commit(seq, computed)
+        else:
+            self.prefilling.remove(r)
+        self.manager.release(seq)
+        r.seq = None
+        r.pre_tokens = -1
+        r.phase = Phase.WAITING
+        r.context_len = r.request.input_length + r.generated
+        r.view = r.request.view(r.context_len)
+        heappush(self.waiting, (r.idx, r))
+        self.preemptions += 1
+
+    def _unplace(self, r: ServeRequest) -> None:
+        """Undo this step's add of a new context request: it waits again, holding nothing."""
+        self.prefilling.remove(r)
+        self.manager.release(r.seq)
+        r.seq = None
+        r.pre_tokens = -1
+        r.phase = Phase.WAITING
+        heappush(self.waiting, (r.idx, r))
+
+    def _drop_decoder(self, r: ServeRequest) -> None:
+        del self.decoders[r.idx]
+        self.dec_k -= r.d_pos0 - r.d_step0
+        r.version += 1
+
+    def _release(self, r: ServeRequest) -> None:
+        self.manager.release(r.seq)
+        r.seq = None
+        r.phase = Phase.DONE
+        r.finish_s = self.now
+        self.finished += 1
+
+
+def _by_idx(r: ServeRequest) -> int:
+    return r.idx

@@ -1,0 +1,173 @@
+"""PNG plots of a result, headless: figures are built with matplotlib's object API and saved with
+its Agg canvas (no pyplot, no display, no global state). matplotlib is imported inside the
+functions so that `kvbench run` and `kvbench compare` never pay for it.
+
+Each function returns the path it wrote, or None when the run has nothing to plot for that kind
+(a timeline without those columns, a workload without any headline metric).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..compare import MergedRun, flatten_metrics
+
+PLOT_KINDS = ("blocks", "hit_rate", "bars")
+"""blocks and hit_rate: one PNG per run (from its timeline); bars: one PNG per workload."""
+
+ROLLING_FRACTION = 20
+"""The rolling hit rate averages over 1/ROLLING_FRACTION of the timeline."""
+
+_STATES = ("in_use", "cached", "free")
+_STATE_COLORS = ("#d62728", "#1f77b4", "#c7c7c7")
+
+HEADLINE: tuple[tuple[str, tuple[str, ...], bool], ...] = (
+    ("hit rate", ("hit_rate", "optimal_hit_rate", "ideal_hit_rate"), True),
+    ("peak GPU blocks", ("peak_gpu_blocks",), False),
+    ("evicted blocks", ("evicted_blocks",), False),
+    ("reused tokens from host", ("reused_tokens_host",), False),
+    ("MNT overflow steps", ("mnt_overflow_steps",), False),
+    ("scratch slots peak", ("scratch_slots_peak",), False),
+    ("throughput (tokens/s)", ("throughput_tokens_per_s",), False),
+    ("TTFT (ms)", ("ttft_ms.p50", "ttft_ms.p99"), False),
+    ("TPOT (ms)", ("tpot_ms.p50", "tpot_ms.p99"), False),
+)
+"""(title, metrics, is a fraction) of each bar panel; a panel whose values are all zero or
+absent is left out."""
+
+
+def plot_blocks(run: MergedRun, path: Path) -> Path | None:
+    """GPU blocks over time, stacked in use / cached / free; a second panel for the host tier
+    when the timeline has `host_in_use`, `host_cached`, `host_free`.
+
+    Cached is drawn as what in use and free leave of the tier's total (`gpu_blocks_total`,
+    `host_blocks_total`), so the stack is always the whole pool: cache mode samples in use at
+    a request's peak but cached and free after its release, when its blocks are cached."""
+    cols = run.timeline.get("columns") or {}
+    if not all(s in cols for s in _STATES):
+        return None
+    tiers = [("GPU", "", "gpu_blocks_total")]
+    if all("host_" + s in cols for s in _STATES):
+        tiers.append(("host", "host_", "host_blocks_total"))
+    fig, axes = _figure(len(tiers), 1, (9, 3.2 * len(tiers)))
+    x = _x(run.timeline)
+    for ax, (label, prefix, total_key) in zip(axes[:, 0], tiers):
+        in_use = np.asarray(cols[prefix + "in_use"])
+        free = np.asarray(cols[prefix + "free"])
+        total = run.metrics.get(total_key)
+        cached = (np.maximum(total - in_use - free, 0) if total is not None
+                  else np.asarray(cols[prefix + "cached"]))
+        ax.stackplot(x, in_use, cached, free, labels=[s.replace("_", " ") for s in _STATES],
+                     colors=_STATE_COLORS, step="post")
+        ax.set_ylabel(f"{label} blocks")
+        ax.set_xlim(x[0], x[-1] if len(x) > 1 else x[0] + 1)
+        ax.legend(loc="upper right", fontsize="small")
+    axes[-1, 0].set_xlabel(_x_label(run.timeline))
+    fig.suptitle(f"{run.workload} / {run.variant}: blocks over time")
+    return _save(fig, path)
+
+
+def plot_hit_rate(run: MergedRun, path: Path) -> Path | None:
+    """Rolling and cumulative hit rate over time, with the run's optimal and ideal hit rates."""
+    cols = run.timeline.get("columns") or {}
+    if "reused_tokens" not in cols or "prompt_tokens" not in cols:
+        return None
+    reused = np.asarray(cols["reused_tokens"], dtype=np.float64)
+    prompt = np.asarray(cols["prompt_tokens"], dtype=np.float64)
+    if not len(prompt):
+        return None
+    x = _x(run.timeline)
+    window = max(1, len(prompt) // ROLLING_FRACTION)
+    kernel = np.ones(window)
+    rolling = (np.convolve(reused, kernel, "valid")
+               / np.maximum(np.convolve(prompt, kernel, "valid"), 1))
+    cumulative = np.cumsum(reused) / np.maximum(np.cumsum(prompt), 1)
+    fig, axes = _figure(1, 1, (9, 3.6))
+    ax = axes[0, 0]
+    stride = run.timeline.get("stride", 1)
+    unit = run.timeline.get("x", "point")
+    ax.plot(x[window - 1:], rolling, label=f"rolling (over {window * stride} {unit}s)")
+    ax.plot(x, cumulative, label="cumulative", color="black")
+    for key, style in (("optimal_hit_rate", ":"), ("ideal_hit_rate", "--")):
+        value = run.metrics.get(key)
+        if value is not None:
+            ax.axhline(value, linestyle=style, color="gray",
+                       label=f"{key.replace('_', ' ')} {100 * value:.1f}%")
+    ax.set_ylim(0, 1)
+    ax.yaxis.set_major_formatter(_percent_formatter())
+    ax.set_xlabel(_x_label(run.timeline))
+    ax.set_ylabel("hit rate")
+    ax.legend(loc="lower right", fontsize="small")
+    fig.suptitle(f"{run.workload} / {run.variant}: hit rate over time")
+    return _save(fig, path)
+
+
+def plot_bars(workload: str, runs: list[MergedRun], path: Path) -> Path | None:
+    """Per-variant bars of the headline metrics, one panel per metric group."""
+    flat = [flatten_metrics(r.metrics) for r in runs]
+    panels = [(title, keys, fraction) for title, keys, fraction in HEADLINE
+              if any(_num(m.get(k)) for m in flat for k in keys)]
+    if not panels:
+        return None
+    ncols = min(3, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = _figure(nrows, ncols, (4.2 * ncols, 3.4 * nrows))
+    names = [r.variant for r in runs]
+    positions = np.arange(len(runs))
+    for ax, (title, keys, fraction) in zip(axes.flat, panels):
+        width = 0.8 / len(keys)
+        for i, key in enumerate(keys):
+            values = [_num(m.get(key)) or 0.0 for m in flat]
+            label = key.split(".")[-1] if "." in key else key.replace("_", " ")
+            ax.bar(positions + (i - (len(keys) - 1) / 2) * width, values, width, label=label)
+        ax.set_title(title)
+        crowded = len(runs) > 3
+        ax.set_xticks(positions, names, rotation=30 if crowded else 0,
+                      ha="right" if crowded else "center")
+        if fraction:
+            ax.set_ylim(0, 1)
+            ax.yaxis.set_major_formatter(_percent_formatter())
+        if len(keys) > 1:
+            ax.legend(fontsize="x-small")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{workload}: headline metrics by variant")
+    return _save(fig, path)
+
+
+def _figure(nrows: int, ncols: int, size: tuple[float, float]):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, layout="constrained")
+    return fig, fig.subplots(nrows, ncols, squeeze=False)
+
+
+def _save(fig, path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _percent_formatter():
+    from matplotlib.ticker import PercentFormatter
+
+    return PercentFormatter(1.0)
+
+
+def _x(timeline: dict) -> np.ndarray:
+    n = len(next(iter(timeline["columns"].values())))
+    return np.arange(n) * timeline.get("stride", 1)
+
+
+def _x_label(timeline: dict) -> str:
+    stride = timeline.get("stride", 1)
+    label = timeline.get("x", "")
+    return label + (f" (sampled every {stride})" if stride > 1 else "")
+
+
+def _num(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -1,0 +1,284 @@
+"""What `kvbench tune` shows: the live progress line, failure lines, the Pareto table, and the
+glue the CLI calls (`tune_command`). The study logic is in tune.py."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from . import tune as T
+from .errors import InputError
+
+MAX_ROWS = 30
+
+
+def fmt_value(name: str, value: Any) -> str:
+    """A metric or parameter value, short and readable."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf.endswith("_bytes"):
+        v = float(value)
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(v) < 1024 or unit == "TiB":
+                return f"{int(v)} B" if unit == "B" else f"{v:.2f} {unit}"
+            v /= 1024
+    if leaf.endswith("_rate") and 0 <= value <= 1:
+        return f"{100 * value:.2f}%"
+    if isinstance(value, int) or float(value).is_integer() and abs(value) >= 1000:
+        return f"{int(value):,}"
+    return f"{value:.4g}"
+
+
+def _arrow(direction: str) -> str:
+    return "↑" if direction == "maximize" else "↓"
+
+
+class Display:
+    """A progress bar: trials n/N, best so far, running, infeasible and failed counts; lines
+    for trials that failed or were lost, printed above it as they happen."""
+
+    def __init__(self, console: Console, plan: T.Plan, enabled: bool) -> None:
+        self.plan = plan
+        self.enabled = enabled
+        self.console = console
+        self.reported: set[int] | None = None
+        self.progress = Progress(
+            SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
+            MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
+            console=console, transient=False,
+        ) if enabled else None
+        self.task = None
+
+    def __enter__(self) -> Display:
+        if self.progress is not None:
+            self.progress.start()
+            self.task = self.progress.add_task("trials", total=self.plan.n_trials, status="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def update(self, trials: Sequence, waiting_for: int | None = 0) -> None:
+        if not self.enabled:
+            return
+        plan = self.plan
+        counts = T.tally(plan, trials)
+        self._report(trials)
+        parts = []
+        best = _best_so_far(plan, trials)
+        if best is not None:
+            metric = plan.metric_names[0]
+            parts.append(f"best {metric} {fmt_value(metric, best.values[0])} (#{best.number})")
+        if counts.running:
+            parts.append(f"{counts.running} running")
+        if counts.waiting:
+            parts.append(f"{counts.waiting} queued")
+        if counts.infeasible:
+            parts.append(f"{counts.infeasible} infeasible")
+        if counts.invalid + counts.failed:
+            parts.append(f"[red]{counts.invalid + counts.failed} invalid/failed[/red]")
+        if waiting_for:
+            parts.append(f"waiting for {waiting_for} trial(s) of other workers")
+        assert self.progress is not None and self.task is not None
+        self.progress.update(self.task, completed=min(counts.finished, plan.n_trials),
+                             status=" · ".join(parts))
+
+    def _report(self, trials: Sequence) -> None:
+        from optuna.trial import TrialState
+
+        if self.reported is None:  # a resumed study: its old failures are not news
+            self.reported = {t.number for t in trials if t.state.is_finished()}
+            return
+        for t in trials:
+            if t.number in self.reported or not t.state.is_finished():
+                continue
+            self.reported.add(t.number)
+            if t.state != TrialState.FAIL:
+                continue
+            outcome = t.user_attrs.get("outcome")
+            reason = t.user_attrs.get("reason", "")
+            if outcome in T.COUNTED_FAILURES:
+                self.console.print(f"[yellow]trial {t.number} {outcome}:[/yellow] {reason}",
+                                   highlight=False, soft_wrap=True)
+            elif outcome != T.ABORTED:
+                why = reason or "its worker stopped sending heartbeats"
+                self.console.print(f"[dim]trial {t.number} lost ({why}); re-queued[/dim]",
+                                   highlight=False, soft_wrap=True)
+
+
+def _best_so_far(plan: T.Plan, trials: Sequence):
+    from optuna.trial import TrialState
+
+    sign = 1.0 if plan.directions[0] == "maximize" else -1.0
+    best = None
+    for t in trials:
+        if t.state != TrialState.COMPLETE or not t.values or not T.is_feasible(plan, t):
+            continue
+        if best is None or sign * t.values[0] > sign * best.values[0]:
+            best = t
+    return best
+
+
+def pareto_table(plan: T.Plan, summary: T.Summary) -> Table:
+    single = len(plan.metric_names) == 1
+    title = ("Best trial" if single else
+             f"Pareto front: {len(summary.pareto)} of {len(summary.feasible)} feasible trials")
+    table = Table(title=title, title_justify="left")
+    table.add_column("trial", justify="right")
+    for p in plan.params:
+        table.add_column(p.key, justify="right")
+    for metric, direction in zip(plan.metric_names, plan.directions):
+        table.add_column(f"{metric} {_arrow(direction)}", justify="right", style="bold")
+    extra = [c for c in dict.fromkeys(c.metric for c in plan.constraints)
+             if c not in plan.metric_names]
+    for metric in extra:
+        table.add_column(metric, justify="right")
+    rows = summary.pareto[:MAX_ROWS]
+    for t in rows:
+        params = plan.decoded_params(t)
+        mark = " *" if summary.best is not None and t.number == summary.best.number else ""
+        cells = [f"#{t.number}{mark}"]
+        cells += [fmt_value(p.key, params.get(p.key)) for p in plan.params]
+        cells += [fmt_value(m, v) for m, v in zip(plan.metric_names, t.values)]
+        metrics = t.user_attrs.get("metrics", {})
+        for metric in extra:
+            with contextlib.suppress(KeyError):
+                cells.append(fmt_value(metric, T.metric_value(metrics, metric)))
+                continue
+            cells.append("-")
+        table.add_row(*cells)
+    if len(summary.pareto) > MAX_ROWS:
+        table.caption = f"... and {len(summary.pareto) - MAX_ROWS} more on the front"
+    elif not single:
+        table.caption = f"* best by {plan.metric_names[0]}"
+    return table
+
+
+def _counts_line(plan: T.Plan, summary: T.Summary) -> str:
+    c = summary.tally
+    parts = [f"{c.complete} complete"
+             + (f" ({c.infeasible} infeasible)" if plan.constraints else "")]
+    if c.invalid:
+        parts.append(f"{c.invalid} invalid")
+    if c.failed:
+        parts.append(f"{c.failed} failed")
+    if c.running or c.waiting:
+        parts.append(f"{c.running + c.waiting} unfinished")
+    if c.lost:
+        parts.append(f"{c.lost} lost and re-run")
+    return ", ".join(parts)
+
+
+def dashboard_command(url: str) -> str:
+    target = url[len("journal:"):] if url.startswith("journal:") else T.display_url(url)
+    return f"optuna-dashboard {target}"
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (kill, a scheduler's stop) ends a tune like Ctrl-C: trials kept."""
+    try:
+        previous = signal.signal(signal.SIGTERM, T._interrupt_once)
+    except ValueError:  # not the main thread (tests)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def tune_command(job: T.TuneJob, *, workers: int, export_best: Path | None,
+                 plots: Path | None, quiet: bool, out: Console, err: Console) -> int:
+    """`kvbench tune`: run the study, show it, export; returns the exit code."""
+    plan = T.prepare(job)
+    if workers > 1 and plan.storage_url.rstrip("/") in ("sqlite:", "sqlite:/", "sqlite://") \
+            or ":memory:" in plan.storage_url and workers > 1:
+        raise InputError("--workers: an in-memory storage cannot be shared; give --storage")
+    storage = T.open_storage(plan)
+    study, notes = T.create_study(plan, storage)
+    url = T.display_url(plan.storage_url)
+    before = T.tally(plan, study.get_trials(deepcopy=False))
+    if not quiet:
+        seed = plan.tune.seed
+        err.print(f"[bold]tune {plan.study_name}[/bold]: {plan.tune.sampler} sampler"
+                  f"{'' if seed is None else f', seed {seed}'}, {plan.n_trials} trials, "
+                  f"{workers} worker{'s' if workers > 1 else ''}, storage {url}", highlight=False)
+        if plan.grid_size is not None and plan.grid_size < (job.n_trials or plan.tune.n_trials):
+            err.print(f"the grid has {plan.grid_size} points: the study runs {plan.grid_size}")
+        if before.used:
+            err.print(f"resuming: {before.finished} of {plan.n_trials} trials done")
+        for note in notes:
+            err.print(f"note: {note}")
+        if workers > 1 and not T.lock_is_exact(plan.storage_url):
+            err.print("note: this storage has no cross-process lock here; workers may overshoot "
+                      f"--trials by up to {workers - 1}")
+    code = 0
+    display = Display(err, plan, enabled=not quiet)
+    with display:
+        if workers == 1:
+            with _sigterm_as_interrupt():
+                status = T.run_worker(plan, 0, storage=storage, on_update=display.update)
+            interrupted = status == "interrupted"
+        else:
+            result = T.run_workers(
+                plan, workers, poll=lambda: display.update(study.get_trials(deepcopy=False)))
+            interrupted = result.interrupted
+            display.update(study.get_trials(deepcopy=False))
+            for message in result.input_errors:
+                err.print(f"kvbench: error: {message}", highlight=False, markup=False,
+                          soft_wrap=True)
+            for message in result.errors:
+                err.print(f"kvbench: worker failed: {message}", highlight=False, markup=False,
+                          soft_wrap=True)
+            code = 2 if result.input_errors else 1 if result.errors else 0
+        display.update(study.get_trials(deepcopy=False))
+    summary = T.summarize(plan, study.get_trials(deepcopy=False))
+    if not quiet:
+        out.print(f"study {plan.study_name!r} ({url}): {summary.tally.finished} of "
+                  f"{plan.n_trials} trials: {_counts_line(plan, summary)}", highlight=False)
+        if summary.pareto:
+            out.print(pareto_table(plan, summary))
+        else:
+            out.print("no feasible complete trial yet")
+    if interrupted:
+        err.print(f"interrupted: {summary.tally.finished} of {plan.n_trials} trials kept; "
+                  "run the same command to resume")
+        code = code or 130
+    if export_best is not None:
+        if summary.best is None:
+            err.print("kvbench: no feasible complete trial to export", highlight=False)
+            code = code or 1
+        else:
+            path = T.export_best(plan, summary.best, export_best)
+            if not quiet:
+                out.print(f"best by {plan.metric_names[0]}: trial #{summary.best.number} -> "
+                          f"{path} (kvbench run {path})", highlight=False)
+    if plots is not None:
+        written = T.write_plots(plan, study, plots)
+        if not quiet:
+            names = ", ".join(str(p) for p in written) or "none (no complete trial)"
+            out.print(f"plots: {names}", highlight=False)
+    if not quiet:
+        out.print(f"view the study: {dashboard_command(plan.storage_url)}", highlight=False)
+    return code

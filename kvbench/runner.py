@@ -102,7 +102,7 @@ def _open_data_plane(wl: Workload, spec: CacheSpec):
         return open_data_plane(wl.model, spec.tokens_per_block, [pool], backend=wl.run.backend,
                                verify=wl.run.verify, seed=wl.run.seed)
     except BackendUnavailable as exc:
-        raise InputError(f"{_where(wl)}: run.backend: {wl.run.backend}: {exc}") from None
+        raise InputError(f"{_where(wl)}: run.backend: {exc}") from None
 
 
 def _check_fits(wl: Workload, requests: list[Request], num_blocks: int) -> None:
@@ -182,10 +182,7 @@ def _run_serve(
         StepClock(wl.model, hardware_from_config(wl.hardware)),
         revert_deferred_ctx=sched.revert_deferred_ctx, batch_add=wl.cache.add_sequence == "batch",
         on_progress=advance)
-    # Unlimited cache, same order; stored blocks include decoded ones, as in the run.
-    refs = reference_hit_rates(
-        [r.view(r.input_length) for r in requests], spec.tokens_per_block, None,
-        partial_reuse=spec.enable_partial_reuse, block_reuse=spec.enable_block_reuse)
+    ideal = _serve_ideal_hit_rate(requests, spec)
     wall = time.perf_counter() - t0
     for r in requests:
         r.drop_keys()
@@ -208,7 +205,7 @@ def _run_serve(
         "reused_tokens_host": reused_host,
         "reused_partial_tokens": sum(s.reused_partial for s in states),
         "hit_rate": reused / prompt,
-        "ideal_hit_rate": refs.ideal_hit_rate,
+        "ideal_hit_rate": ideal,
         "optimal_hit_rate": None,
         "gpu_blocks_total": spec.num_gpu_blocks,
         "host_blocks_total": spec.num_host_blocks,
@@ -243,6 +240,31 @@ def _run_serve(
         "max_abs_err": None,
     }
     return RunOutcome(name, wl, metrics, result.timeline.to_json())
+
+
+def _serve_ideal_hit_rate(requests: list[Request], spec: CacheSpec) -> float:
+    """An unlimited cache replaying the requests in order, each storing its prompt and its
+    generated blocks. Generated tokens the traffic does not know are unique to their request,
+    so then only prompts matter and the oracle answers; known answers (multi-turn sessions) are
+    replayed through a cache that never evicts."""
+    tpb = spec.tokens_per_block
+    if all(r.output_tokens is None for r in requests):
+        return reference_hit_rates(
+            requests, tpb, None, partial_reuse=spec.enable_partial_reuse,
+            block_reuse=spec.enable_block_reuse).ideal_hit_rate
+    computed = [max(r.input_length, r.stream_length - 1) for r in requests]
+    manager = KVCacheManager(CacheSpec(
+        tpb, sum(-(-n // tpb) for n in computed), enable_block_reuse=spec.enable_block_reuse,
+        enable_partial_reuse=spec.enable_partial_reuse,
+        copy_on_partial_reuse=spec.copy_on_partial_reuse))
+    reused = 0
+    for r, n in zip(requests, computed):
+        seq = manager.add_sequence(r.view(r.input_length))
+        manager.resize(seq, n)
+        manager.commit(seq, n)
+        manager.release(seq)
+        reused += seq.reused_tokens
+    return reused / sum(r.input_length for r in requests)
 
 
 def _distribution(values: list[float]) -> dict[str, float]:

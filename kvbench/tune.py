@@ -742,7 +742,7 @@ def make_sampler(plan: Plan, seed: int | None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if name == "tpe":
-            return optuna.samplers.TPESampler(seed=seed, constraints_func=cf)
+            return optuna.samplers.TPESampler(seed=seed, constraints_func=cf, multivariate=True)
         if name == "nsgaii":
             population = max(4, min(50, plan.n_trials // 5))
             return optuna.samplers.NSGAIISampler(population_size=population, seed=seed,
@@ -1032,18 +1032,22 @@ def summarize(plan: Plan, trials: Sequence[FrozenTrial]) -> Summary:
         if key not in seen:
             seen.add(key)
             front.append(t)
-    best = min(feasible, key=lambda t: (-signs[0] * t.values[0], t.number), default=None)
+    # Ties on the primary objective go to the better secondary objectives, then the earliest.
+    best = min(feasible, key=lambda t: ([-s * v for s, v in zip(signs, t.values)], t.number),
+               default=None)
     return Summary(list(trials), tally(plan, trials), feasible, front, best)
 
 
 def export_best(plan: Plan, trial: FrozenTrial, path: str | Path) -> Path:
-    """Write the trial's workload as a ready-to-run YAML: everything that differs from the
-    defaults, trace paths rebased on the new file's folder, no tune: section."""
+    """Write the trial's workload as a ready-to-run YAML: the keys the workload file and --set
+    gave, with the trial's values; trace paths rebased on the new file's folder; no tune:
+    section."""
     import yaml
 
     path = Path(path)
     wl = trial_workload(plan, plan.decoded_params(trial))
-    data = wl.model_dump(mode="json", exclude={"variants", "tune"}, exclude_defaults=True)
+    # What the file and --set wrote, with the trial's values: the user's workload, tuned.
+    data = wl.model_dump(mode="json", exclude={"variants", "tune"}, exclude_unset=True)
     data = {"name": wl.name, **{k: v for k, v in data.items() if k != "name"}}
     if wl.requests.path is not None:
         source = resolve_path(wl, wl.requests.path).resolve()
@@ -1103,10 +1107,30 @@ def write_plots(plan: Plan, study: optuna.Study, out_dir: str | Path) -> list[Pa
             else:
                 ax = ovm.plot_optimization_history(study, target=lambda t, i=i: t.values[i],
                                                    target_name=name)
+                _best_line(ax, plan, study, i, name)
             ax.set_title(f"Optimization history: {name} ({plan.directions[i]})")
             slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
             written.append(_save(ax, out / f"history-{slug}.png", plt))
     return written
+
+
+def _best_line(ax, plan: Plan, study: optuna.Study, i: int, name: str) -> None:
+    """Optuna draws no best-so-far line for one objective of several: add it (feasible
+    trials only)."""
+    from optuna.trial import TrialState
+
+    sign = 1.0 if plan.directions[i] == "maximize" else -1.0
+    xs, ys, best = [], [], None
+    for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
+        if t.state == TrialState.COMPLETE and t.values and is_feasible(plan, t):
+            v = t.values[i]
+            best = v if best is None or sign * v > sign * best else best
+        if best is not None:
+            xs.append(t.number)
+            ys.append(best)
+    if xs:
+        ax.plot(xs, ys, color="tab:red", drawstyle="steps-post", label=f"best {name} so far")
+        ax.legend(bbox_to_anchor=(1.05, 1.0), loc="upper left")
 
 
 def _save(ax, path: Path, plt) -> Path:

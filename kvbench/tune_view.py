@@ -46,6 +46,11 @@ def fmt_value(name: str, value: Any) -> str:
     return f"{value:.4g}"
 
 
+def _header(name: str) -> str:
+    """A column header that may wrap at underscores in a narrow terminal."""
+    return name.replace("_", " ")
+
+
 def _arrow(direction: str) -> str:
     return "↑" if direction == "maximize" else "↓"
 
@@ -142,15 +147,18 @@ def pareto_table(plan: T.Plan, summary: T.Summary) -> Table:
     title = ("Best trial" if single else
              f"Pareto front: {len(summary.pareto)} of {len(summary.feasible)} feasible trials")
     table = Table(title=title, title_justify="left")
-    table.add_column("trial", justify="right")
-    for p in plan.params:
-        table.add_column(p.key, justify="right")
+    table.add_column("trial", justify="right", no_wrap=True)
+    leaves = [p.key.rsplit(".", 1)[-1] for p in plan.params]
+    unique = len(set(leaves)) == len(leaves)
+    for p, leaf in zip(plan.params, leaves):
+        table.add_column(_header(leaf if unique else p.key), justify="right")
     for metric, direction in zip(plan.metric_names, plan.directions):
-        table.add_column(f"{metric} {_arrow(direction)}", justify="right", style="bold")
+        table.add_column(f"{_header(metric)} {_arrow(direction)}", justify="right",
+                         style="bold")
     extra = [c for c in dict.fromkeys(c.metric for c in plan.constraints)
              if c not in plan.metric_names]
     for metric in extra:
-        table.add_column(metric, justify="right")
+        table.add_column(_header(metric), justify="right")
     rows = summary.pareto[:MAX_ROWS]
     for t in rows:
         params = plan.decoded_params(t)

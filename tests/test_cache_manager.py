@@ -168,9 +168,13 @@ def test_partial_reuse_prefers_block_it_can_take_without_copy():
         assert c.reused_tokens == 2 and not c.partial_copied
         assert m.partial_copy_blocks == copies
         assert c.blocks[0] == b.blocks[0] and c.blocks[0] != a.blocks[0]
-        # A longer match that needs a copy still wins over a shorter one that does not.
-        d = run(m, req([1, 2, 3, 4, 7, 7]))
-        assert d.reused_tokens == 4
+        run(m, req([1, 7]))  # leaves a claimable tail [1 7]
+        # A longer match that needs a copy (A's block, 3 tokens) still wins over a shorter one
+        # that does not ([1 7], 1 token): copied, or given up without copy.
+        copies = m.partial_copy_blocks
+        d = run(m, req([1, 2, 3, 8, 8]))
+        assert d.reused_tokens == (3 if copy else 0)
+        assert m.partial_copy_blocks == copies + copy
 
 
 def test_partial_reuse_copies_block_in_use():

@@ -301,6 +301,7 @@ class KVCacheManager:
         for i, b in enumerate(blocks):
             if b < g:
                 continue
+            # One block at a time: the host slot each onboard empties takes the next offload.
             moved = self._moved.get(b)
             if moved is None:
                 dst = self._allocate(1, self.priority[b])
@@ -419,27 +420,53 @@ class KVCacheManager:
         return out
 
     def _offload(self, victims: list[BlockId]) -> None:
-        """Move evicted GPU blocks' data to the host where allowed and possible, else drop it."""
+        """Move evicted GPU blocks' data to the host where allowed and possible, else drop it.
+
+        Equivalent to offloading the victims one by one in eviction order (each taking an empty
+        host block, else evicting the host's LRU block), done in bulk: when there are more
+        victims than host blocks to take, the earliest victims would be offloaded and then
+        evicted again by the later ones, so they are dropped at once and their copies (whose
+        destination the same allocation overwrites) are not emitted."""
         host, index, prio = self.host, self.index, self.priority
         min_prio = self.spec.secondary_offload_min_priority
-        for v in victims:
-            if prio[v] < min_prio:
-                index.remove(v)
-                continue
-            if host.empty:
-                h = host.empty.pop()
-            else:
-                h = host.free_queue.pop_front()
-                if h is None:  # every host block is claimed
-                    index.remove(v)
-                    continue
-                index.remove(h)
-                self.host_evicted_blocks += 1
-            self._emit(CopyKind.OFFLOAD, Tier.GPU, v, Tier.HOST, h, index.num_tokens[v])
-            index.move(v, h)
-            prio[h] = prio[v]
-            host.free_queue.push_back(h, prio[h])
-            self.offload_blocks += 1
+        low = [v for v in victims if prio[v] < min_prio]
+        if low:
+            index.remove_many(low)
+            victims = [v for v in victims if prio[v] >= min_prio]
+        n = len(victims)
+        self.offload_blocks += n
+        room = len(host.empty) + len(host.free_queue)  # claimed host blocks cannot be taken
+        if n > room:
+            index.remove_many(victims[:n - room])
+            self.host_evicted_blocks += n - room
+            victims = victims[n - room:]
+            n = room
+        k = min(n, len(host.empty))
+        slots = host.empty[len(host.empty) - k:]
+        slots.reverse()
+        del host.empty[len(host.empty) - k:]
+        if k < n:
+            old = host.free_queue.pop_front_many(n - k)
+            index.remove_many(old)
+            self.host_evicted_blocks += len(old)
+            slots.extend(old)
+        if self.spec.emit_copy_ops:
+            num_tokens = index.num_tokens
+            for v, h in zip(victims, slots):
+                self.copy_ops.append(CopyOp(CopyKind.OFFLOAD, Tier.GPU, v, Tier.HOST, h,
+                                            num_tokens[v]))
+        index.move_many(victims, slots)
+        fq = host.free_queue
+        # In eviction order, one run per priority level (usually a single run).
+        run_start = 0
+        for i in range(1, n + 1):
+            if i == n or prio[victims[i]] != prio[victims[run_start]]:
+                level = prio[victims[run_start]]
+                run = slots[run_start:i]
+                for h in run:
+                    prio[h] = level
+                fq.push_back_many(run, level)
+                run_start = i
         held = host.capacity - len(host.empty)
         if held > self.peak_host_blocks:
             self.peak_host_blocks = held

@@ -190,20 +190,33 @@ class PrefixIndex:
     def move(self, src: BlockId, dst: BlockId) -> None:
         """The data of `src` now lives in `dst` (an offload or an onboard): same key, parent,
         tokens and source; `src` is no longer stored."""
-        key = self.key_of[src]
-        if key is not None:
-            self.by_key[key] = dst
-            self.key_of[src] = None
-        self.key_of[dst] = key
-        self.parent_of[dst] = self.parent_of[src]
-        self.num_tokens[dst] = self.num_tokens[src]
-        self.source[dst] = self.source[src]
-        self.position[dst] = self.position[src]
-        self.source[src] = None
-        if self.kids is not None:
-            self._add_kid(self.parent_of[dst], self.first_of[src], dst)
-            if len(self.kids) > self._rebuild_at:
-                self._rebuild_kids()
+        self.move_many([src], [dst])
+
+    def move_many(self, srcs: list[BlockId], dsts: list[BlockId]) -> None:
+        """`move` for pairs of blocks; an offload moves one per evicted block."""
+        by_key, key_of, parent_of, num_tokens, source, position, first_of = (
+            self.by_key, self.key_of, self.parent_of, self.num_tokens, self.source,
+            self.position, self.first_of)
+        kids = self.kids
+        for src, dst in zip(srcs, dsts):
+            key = key_of[src]
+            if key is not None:
+                by_key[key] = dst
+                key_of[src] = None
+            key_of[dst] = key
+            parent = parent_of[dst] = parent_of[src]
+            num_tokens[dst] = num_tokens[src]
+            source[dst] = source[src]
+            position[dst] = position[src]
+            source[src] = None
+            if kids is not None:
+                first = first_of[dst] = first_of[src]
+                if kids.get(parent) == src:  # the common single child: swap in place
+                    kids[parent] = dst
+                else:
+                    self._add_kid(parent, first, dst)
+        if kids is not None and len(self.kids) > self._rebuild_at:
+            self._rebuild_kids()
 
     # --- helpers --------------------------------------------------------------------------
 

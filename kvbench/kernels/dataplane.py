@@ -76,6 +76,10 @@ class DataPlane:
             raise ValueError(f"verify must be one of {VERIFY_MODES}")
         self.shape = shape
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            # A step's CPU ops are small: intra-op threads cost more in hand-offs than they
+            # save (measured 20-30x slower gathers and matmuls with 2 threads on 2-core hosts).
+            torch.set_num_threads(1)
         self.pools = make_pools(shape, pools, self.device)
         self.copier = CopyExecutor(self.pools, self.device)
         self.model = SyntheticModel(shape, seed, self.device)
@@ -134,6 +138,8 @@ class DataPlane:
             kv = tensors.gpu
             rows = self.model.rows(batch.new_tokens, batch.new_positions)
             self.backend.plan(batch)
+            if check:
+                self.verifier.begin(batch)
             for local, layer in enumerate(tensors.spec.layers):
                 k, v, q = self.model.qkv(rows, layer)
                 k, v, q = k.to(self._kv_dtype), v.to(self._kv_dtype), q.to(self._q_dtype)

@@ -24,7 +24,7 @@ SUPPORTED_DTYPES = ("float16", "bfloat16", "fp8")
 def flashinfer_problem(dtype: str) -> str | None:
     """Why the FlashInfer backend cannot run here, or None when it can."""
     if not torch.cuda.is_available():
-        return "flashinfer needs a CUDA GPU and torch sees none"
+        return "flashinfer needs a CUDA GPU and torch sees none (use torch or auto)"
     if dtype not in SUPPORTED_DTYPES:
         return f"flashinfer has no {dtype} KV cache kernels (use float16, bfloat16 or fp8)"
     try:

@@ -42,7 +42,7 @@ def _rows(x: np.ndarray, salt: int) -> np.ndarray:
 class SyntheticModel:
     """Q/K/V generator for one `ModelShape`; tables live on `device`."""
 
-    __slots__ = ("shape", "device", "_tables", "_token_gain", "_pos_gain", "_split")
+    __slots__ = ("shape", "device", "_tables", "_offsets", "_token_gain", "_pos_gain", "_split")
 
     def __init__(self, shape: ModelShape, seed: int, device: torch.device) -> None:
         self.shape = shape
@@ -54,6 +54,7 @@ class SyntheticModel:
         gen = torch.Generator().manual_seed(seed)
         # Four tables: two for the token's hashes, two for the position's.
         self._tables = torch.randn((4, TABLE_ROWS, width), generator=gen).to(device)
+        self._offsets = (torch.arange(4) * TABLE_ROWS)[:, None].to(device)
         signs = torch.randint(0, 2, (2, shape.num_layers, width), generator=gen) * 2 - 1
         # Each part sums two N(0, 1) rows; scaled so K, V and Q entries are N(0, 1) again.
         self._token_gain = (signs[0] * (0.8 / 2**0.5)).float().to(device)
@@ -71,9 +72,11 @@ class SyntheticModel:
         """float32 K, V `[n, kv_heads, head_dim]` and Q `[n, q_heads, head_dim]` of `layer`."""
         kv, _, q = self._split
         w = 2 * kv + (q if with_q else 0)
-        t = self._tables
-        token = t[0, rows[0], :w] + t[1, rows[1], :w]
-        pos = t[2, rows[2], :w] + t[3, rows[3], :w]
+        # One gather for all four tables: rows of table i sit at offset i * TABLE_ROWS.
+        flat = self._tables.view(4 * TABLE_ROWS, -1)
+        g = flat.index_select(0, (rows + self._offsets).reshape(-1)).view(4, -1, flat.shape[1])
+        token = g[0, :, :w] + g[1, :, :w]
+        pos = g[2, :, :w] + g[3, :, :w]
         x = token * self._token_gain[layer, :w] + pos * self._pos_gain[layer, :w]
         s = self.shape
         k = x[:, :kv].reshape(-1, s.num_kv_heads, s.head_dim)

@@ -33,32 +33,43 @@ float32 runs only on the torch backend, whose reference is the same float32 arit
 
 
 class Verifier:
-    """Checks items of one batch at one layer; `origin(pool, block)` names the copy that last
-    filled a GPU block, for the report."""
+    """Checks one batch layer by layer: `begin` once per batch, then `check` per layer.
+    `origin(pool, block)` names the copy that last filled a GPU block, for the report."""
 
-    __slots__ = ("model", "dtype", "atol", "rtol", "origin")
+    __slots__ = ("model", "dtype", "atol", "rtol", "origin", "_ref")
 
     def __init__(self, model: SyntheticModel, dtype: str, origin) -> None:
         self.model = model
         self.dtype = STORAGE_DTYPES[dtype]
         self.atol, self.rtol = TOLERANCES[dtype]
         self.origin = origin
+        self._ref: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def begin(self, batch: PagedBatch) -> None:
+        """Per item: the first position any query reads, and the table rows, key positions
+        and query positions of the reference, shared by all layers."""
+        dev = self.model.device
+        self._ref = []
+        for i, it in enumerate(batch.items):
+            kv0 = int(batch.kv_start[i])
+            lo = max(kv0, it.start - batch.window + 1) if batch.window else kv0
+            positions = np.arange(lo, it.end, dtype=np.int64)
+            rows = self.model.rows(np.asarray(it.tokens[lo:it.end], dtype=np.int64), positions)
+            self._ref.append((lo, rows, torch.from_numpy(positions).to(dev),
+                              torch.arange(it.start, it.end, device=dev)))
 
     def check(self, step: int, kv: torch.Tensor, batch: PagedBatch, pool: int, local: int,
               layer: int, q: torch.Tensor, out: torch.Tensor) -> tuple[float, Mismatch | None]:
         """(max abs output error, first mismatch) over the batch's items at one layer;
         `local` is the layer's index in the pool, `layer` its index in the model."""
         pages = batch.layer_pages(local)
-        dev = kv.device
         worst = 0.0
         for i, it in enumerate(batch.items):
+            lo, rows, k_pos, q_pos = self._ref[i]
             kv0 = int(batch.kv_start[i])
-            lo = max(kv0, it.start - batch.window + 1) if batch.window else kv0
             item_pages = batch.item_pages(pages, i)
             k, v = gather_kv(kv, item_pages, int(batch.kv_len[i]))
             k, v = k[lo - kv0:], v[lo - kv0:]
-            positions = np.arange(lo, it.end, dtype=np.int64)
-            rows = self.model.rows(np.asarray(it.tokens[lo:it.end], dtype=np.int64), positions)
             ek, ev, _ = self.model.qkv(rows, layer, with_q=False)
             ek = ek.to(self.dtype).float()
             ev = ev.to(self.dtype).float()
@@ -70,8 +81,7 @@ class Verifier:
                 return worst, self._mismatch(step, it, batch, item_pages, pool, layer, "kv",
                                              lo + j, float(diff[j]), 0.0)
             q0, q1 = int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1])
-            ref = attend(q[q0:q1], ek, ev, torch.arange(it.start, it.end, device=dev),
-                         torch.from_numpy(positions).to(dev), batch.window)
+            ref = attend(q[q0:q1], ek, ev, q_pos, k_pos, batch.window)
             err_per_query = (out[q0:q1].float() - ref).abs().amax(dim=(1, 2))
             err = float(err_per_query.max())
             tol = self.atol + self.rtol * float(ref.abs().max())

@@ -223,5 +223,8 @@ class StreamView:
     def first_tokens(self, tokens_per_block: int) -> list[int]:
         return self.request.stream_first_tokens(tokens_per_block)
 
+    def first_tokens_array(self, tokens_per_block: int) -> np.ndarray:
+        return np.array(self.request.stream_first_tokens(tokens_per_block), dtype=np.int64)
+
     def prompt_tokens(self, start: int = 0, end: int | None = None) -> np.ndarray:
         return self.request.stream_tokens(start, self.input_length if end is None else end)

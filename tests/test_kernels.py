@@ -1,0 +1,362 @@
+"""The data plane at its own API: storage, copies, synthetic model, torch attention, verifier.
+
+Small shapes throughout (tokens_per_block 4, a few layers and heads) so every test runs in a
+fraction of a second on a slow CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbench.cache.ids import BlockId, CopyKind, CopyOp, Tier  # noqa: E402
+from kvbench.kernels.attention import TorchBackend, attend  # noqa: E402
+from kvbench.kernels.copies import _runs, _waves  # noqa: E402
+from kvbench.kernels.dataplane import DataPlane, resolve_backend  # noqa: E402
+from kvbench.kernels.model import SyntheticModel  # noqa: E402
+from kvbench.kernels.step import (  # noqa: E402
+    BackendUnavailable, ModelShape, PoolSpec, StepItem,
+)
+
+TPB = 4
+SHAPE = ModelShape(num_layers=3, num_kv_heads=2, num_q_heads=4, head_dim=16,
+                   tokens_per_block=TPB, dtype="bfloat16")
+FULL = PoolSpec(layers=(0, 1, 2), num_gpu_slots=16, num_host_slots=8)
+
+
+def plane(*pools: PoolSpec, shape: ModelShape = SHAPE, verify: str = "all") -> DataPlane:
+    return DataPlane(shape, list(pools) or [FULL], verify=verify)
+
+
+def tokens(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, n)
+
+
+def op(kind: CopyKind, src_tier: Tier, src: int, dst_tier: Tier, dst: int, n: int = TPB) -> CopyOp:
+    return CopyOp(kind, src_tier, BlockId(src), dst_tier, BlockId(dst), n)
+
+
+def onboard(src: int, dst: int) -> CopyOp:
+    return op(CopyKind.ONBOARD, Tier.HOST, src, Tier.GPU, dst)
+
+
+def offload(src: int, dst: int) -> CopyOp:
+    return op(CopyKind.OFFLOAD, Tier.GPU, src, Tier.HOST, dst)
+
+
+def prefill(dp: DataPlane, rid: int, toks: np.ndarray, blocks: list[int], start: int = 0,
+            end: int | None = None, copy_ops=(), **kw):
+    item = StepItem(rid, toks, blocks, start, len(toks) if end is None else end, **kw)
+    return dp.execute_step(list(copy_ops), [item])
+
+
+# --- synthetic model and reference attention ---------------------------------------------
+
+
+def test_model_is_batch_invariant_and_position_and_layer_dependent():
+    model = SyntheticModel(SHAPE, seed=3, device=torch.device("cpu"))
+    toks = tokens(40, 1)
+    pos = np.arange(40)
+    k_all, v_all, q_all = model.qkv(model.rows(toks, pos), 1)
+    k_one, v_one, q_one = model.qkv(model.rows(toks[17:18], pos[17:18]), 1)
+    assert torch.equal(k_all[17:18], k_one) and torch.equal(v_all[17:18], v_one)
+    assert torch.equal(q_all[17:18], q_one)
+    k_moved, _, _ = model.qkv(model.rows(toks[17:18], pos[17:18] + TPB), 1)
+    k_layer, _, _ = model.qkv(model.rows(toks[17:18], pos[17:18]), 2)
+    assert not torch.allclose(k_one, k_moved, atol=0.1)
+    assert not torch.allclose(k_one, k_layer, atol=0.1)
+    assert 0.7 < float(k_all.std()) < 1.3
+
+
+def naive_attention(q, k, v, q_pos, k_pos, window):
+    nq, hq, d = q.shape
+    g = hq // k.shape[1]
+    out = torch.zeros(nq, hq, d, dtype=torch.float64)
+    for i in range(nq):
+        for h in range(hq):
+            keys = [j for j in range(len(k_pos))
+                    if k_pos[j] <= q_pos[i] and (window is None or k_pos[j] > q_pos[i] - window)]
+            s = torch.tensor([float(q[i, h].double() @ k[j, h // g].double()) / math.sqrt(d)
+                              for j in keys], dtype=torch.float64)
+            p = torch.softmax(s, 0)
+            out[i, h] = sum(p[n] * v[j, h // g].double() for n, j in enumerate(keys))
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 1, 5])
+def test_attend_matches_naive_gqa_with_window(window):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 4, 8, generator=gen)
+    k = torch.randn(11, 2, 8, generator=gen)
+    v = torch.randn(11, 2, 8, generator=gen)
+    q_pos, k_pos = torch.arange(5, 11), torch.arange(0, 11)
+    got = attend(q, k, v, q_pos, k_pos, window)
+    want = naive_attention(q, k, v, q_pos.tolist(), k_pos.tolist(), window)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    if window == 1:
+        # Window 1: a query sees only itself.
+        assert torch.allclose(got.view(6, 2, 2, 8), v[5:11, :, None, :].expand(6, 2, 2, 8))
+
+
+# --- reuse, copies and faults --------------------------------------------------------------
+
+
+def test_full_reuse_and_decode_verify():
+    dp = plane()
+    a = tokens(30, 1)
+    assert prefill(dp, 1, a, [0, 1, 2, 3, 4, 5, 6, 7]).verified
+    b = np.concatenate([a[:24], tokens(9, 2)])
+    check = prefill(dp, 2, b, [0, 1, 2, 3, 4, 5, 9, 10, 11], start=24)
+    assert check.verified and check.max_abs_err == 0.0
+    # One more token: a decode item.
+    c = np.concatenate([b, tokens(1, 3)])
+    assert prefill(dp, 2, c, [0, 1, 2, 3, 4, 5, 9, 10, 11], start=33).verified
+    assert dp.metrics()["verified"] is True
+    assert dp.metrics()["verified_steps"] == 3
+
+
+def test_wrong_page_index_is_caught():
+    dp = plane()
+    a = tokens(16, 1)
+    prefill(dp, 1, a, [0, 1, 2, 3])
+    prefill(dp, 2, tokens(16, 2), [4, 5, 6, 7])
+    b = np.concatenate([a[:12], tokens(4, 3)])
+    check = prefill(dp, 3, b, [0, 5, 2, 8], start=12)
+    m = check.mismatch
+    assert check.verified is False and m.kind == "kv"
+    assert (m.request_id, m.step, m.layer, m.position, m.block_index, m.block_id) == (3, 2, 0, 4, 1, 5)
+    assert m.tier == "GPU"
+    assert "request 3" in str(m) and "block 5" in str(m)
+    assert dp.metrics()["verified"] is False
+
+
+def test_block_reused_at_wrong_position_is_caught():
+    dp = plane()
+    a = np.tile(tokens(4, 1), 4)  # the same 4 tokens in every block: only positions differ
+    prefill(dp, 1, a, [0, 1, 2, 3])
+    check = prefill(dp, 2, a[:9], [1, 0, 4], start=8)
+    assert check.mismatch.position == 0 and check.mismatch.block_id == 1
+
+
+def test_partial_copy_and_skipped_copy():
+    a = tokens(20, 1)
+    b = np.concatenate([a[:10], tokens(6, 2)])
+    copy = op(CopyKind.PARTIAL, Tier.GPU, 2, Tier.GPU, 9, n=2)
+    for ops, ok in (([copy], True), ([], False)):
+        dp = plane()
+        prefill(dp, 1, a, [0, 1, 2, 3, 4])
+        check = prefill(dp, 2, b, [0, 1, 9, 10], start=10, copy_ops=ops)
+        assert check.verified is ok
+        if not ok:
+            assert (check.mismatch.position, check.mismatch.block_id) == (8, 9)
+        else:
+            assert check.copied_blocks == 1 and check.copy_bytes == dp.pools[0].slot_bytes
+
+
+def test_block_overwritten_after_claim_is_caught():
+    dp = plane()
+    a = tokens(12, 1)
+    prefill(dp, 1, a, [0, 1, 2])
+    b = np.concatenate([a[:8], tokens(4, 2)])
+    intruder = StepItem(7, tokens(8, 3), [5, 1], 0, 8)  # given block 1, which b claimed
+    check = dp.execute_step([], [intruder, StepItem(2, b, [0, 1, 3], 8, 12)])
+    assert check.mismatch.request_id == 2 and check.mismatch.block_id == 1
+
+
+def test_host_tier_offload_onboard_round_trip_and_skipped_offload():
+    a = tokens(12, 1)
+    b = np.concatenate([a, tokens(5, 2)])
+    for skip_offload in (False, True):
+        dp = plane()
+        prefill(dp, 1, a, [0, 1, 2])
+        # Evict blocks 0-2 to host 16-18 (host ids follow the 16 GPU ids), reuse the GPU
+        # blocks for another sequence, then onboard into fresh GPU blocks.
+        evict = [] if skip_offload else [offload(0, 16), offload(1, 17), offload(2, 18)]
+        prefill(dp, 2, tokens(12, 3), [0, 1, 2], copy_ops=evict)
+        check = prefill(dp, 3, b, [5, 6, 7, 8, 9], start=12,
+                        copy_ops=[onboard(16, 5), onboard(17, 6), onboard(18, 7)])
+        assert check.verified is (not skip_offload)
+        if skip_offload:
+            m = check.mismatch
+            assert m.block_id == 5 and m.tier == "GPU (onboarded from HOST block 16 at step 2)"
+
+
+def test_host_pages_moved_as_whole_slots():
+    dp = plane()
+    prefill(dp, 1, tokens(8, 1), [3, 4])
+    dp.execute_step([offload(3, 20), offload(4, 21)], [])
+    host = dp.pools[0].host
+    assert torch.equal(host[4 * 3:6 * 3], dp.pools[0].gpu[3 * 3:5 * 3])
+
+
+def test_copy_waves_respect_emission_order():
+    # The onboard empties host block 16, which the offload refills in the same step: the onboard
+    # must read the old contents first.
+    dp = plane()
+    a, c = tokens(4, 1), tokens(4, 2)
+    prefill(dp, 1, a, [0])
+    prefill(dp, 2, c, [1], copy_ops=[offload(0, 16)])
+    check = prefill(dp, 3, np.concatenate([a, tokens(1, 3)]), [2, 3], start=4,
+                    copy_ops=[onboard(16, 2), offload(1, 16)])
+    assert check.verified
+    check = prefill(dp, 4, np.concatenate([c, tokens(1, 4)]), [4, 5], start=4,
+                    copy_ops=[onboard(16, 4)])
+    assert check.verified
+    ops = [onboard(16, 2), offload(1, 16), onboard(17, 3), offload(5, 18)]
+    assert [len(w) for w in _waves(ops)] == [1, 3]
+
+
+def test_runs_merge_consecutive_pairs():
+    assert list(_runs([5, 1, 2, 3, 9], [0, 7, 8, 2, 1])) == [(1, 7, 2), (3, 2, 1), (5, 0, 1),
+                                                          (9, 1, 1)]
+
+
+def test_copy_op_outside_the_pool_is_rejected():
+    dp = plane()
+    with pytest.raises(ValueError, match="outside the pool"):
+        dp.execute_step([onboard(3, 0)], [])
+
+
+# --- sliding windows and scratch pages -----------------------------------------------------
+
+
+def test_sliding_window_chunks_and_decode_with_truncated_page_table():
+    window = 6
+    dp = plane(PoolSpec(layers=(0, 1, 2), num_gpu_slots=16, window=window))
+    toks = tokens(40, 1)
+    blocks = list(range(10))
+    for start in range(0, 36, 9):
+        end = min(start + 9, 36)
+        first = max(0, start - window + 1) // TPB
+        assert prefill(dp, 1, toks, blocks[first:], start, end, first_block=first).verified
+    for pos in range(36, 40):
+        first = (pos - window + 1) // TPB
+        assert prefill(dp, 1, toks, blocks[first:], pos, pos + 1, first_block=first).verified
+    # The page table must reach back to the oldest position a query reads.
+    with pytest.raises(ValueError, match="need position"):
+        prefill(dp, 1, toks, blocks[8:], 34, 36, first_block=8)
+
+
+class WindowBlindBackend(TorchBackend):
+    """Attends to the whole page table, as a kernel planned without window_left would."""
+
+    def run(self, kv, batch, layer, q):
+        window, batch.window = batch.window, None
+        try:
+            return super().run(kv, batch, layer, q)
+        finally:
+            batch.window = window
+
+
+def test_backend_ignoring_the_window_is_caught():
+    dp = plane(PoolSpec(layers=(0, 1, 2), num_gpu_slots=8, window=3))
+    dp.backend = WindowBlindBackend()
+    check = prefill(dp, 1, tokens(20, 1), list(range(5)))
+    assert check.mismatch.kind == "attention" and check.mismatch.position >= 3
+
+
+def scratch_map(blocks: range, num_gpu_slots: int, num_layers: int) -> dict[int, int]:
+    """Issue 5's mapping: out-of-window block j shares scratch slot j // L at slice j % L."""
+    return {b: (num_gpu_slots + i // num_layers) * num_layers + i % num_layers
+            for i, b in enumerate(blocks)}
+
+
+def test_scratch_pages_serve_out_of_window_prompt_blocks():
+    window, n = 6, 40
+    spec = PoolSpec(layers=(0, 1, 2), num_gpu_slots=8, window=window, num_scratch_slots=3)
+    dp = plane(spec)
+    toks = tokens(n + 2, 1)
+    # Queries up to position 39 need positions >= 34: blocks 0-7 are out of window by the end
+    # of the step and live in scratch pages; blocks 8 and 9 get real slots.
+    scratch = scratch_map(range(8), spec.num_gpu_slots, 3)
+    table = [-1] * 8 + [4, 5, 6]
+    assert prefill(dp, 1, toks, table, 0, n, scratch=scratch).verified
+    # Later steps read only the real blocks.
+    assert prefill(dp, 1, toks, table[8:], n, n + 1, first_block=8).verified
+    # Two scratch blocks on one page: the later write clobbers the earlier one.
+    bad = dict(scratch)
+    bad[3] = bad[2]
+    check = prefill(plane(spec), 1, toks, table, 0, n, scratch=bad)
+    assert check.mismatch.kind == "kv" and check.mismatch.tier == "scratch"
+    assert check.mismatch.block_index in (2, 3)
+
+
+def test_two_pools_with_their_own_windows_and_copy_ops():
+    swa = PoolSpec(layers=(0, 2), num_gpu_slots=8, window=5, num_host_slots=4)
+    full = PoolSpec(layers=(1,), num_gpu_slots=8)
+    dp = plane(swa, full)
+    a = tokens(16, 1)
+    items = [StepItem(1, a, [0, 1, 2, 3], 0, 16, pool=0), StepItem(1, a, [0, 1, 2, 3], 0, 16, pool=1)]
+    assert dp.execute_step({}, items).verified
+    b = np.concatenate([a, tokens(2, 2)])
+    ops = {0: [offload(3, 8), onboard(8, 6)]}
+    items = [StepItem(2, b, [6, 4], 16, 18, pool=0, first_block=3),
+             StepItem(2, b, [0, 1, 2, 3, 4], 16, 18, pool=1)]
+    check = dp.execute_step(ops, items)
+    assert check.verified and check.copied_blocks == 2
+    with pytest.raises(ValueError, match="distinct"):
+        DataPlane(SHAPE, [swa, PoolSpec(layers=(0, 1), num_gpu_slots=4)])
+
+
+# --- dtypes, verification modes, backend resolution ---------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "fp8"])
+def test_other_dtypes_verify(dtype):
+    shape = ModelShape(2, 1, 2, 16, TPB, dtype)
+    dp = plane(PoolSpec(layers=(0, 1), num_gpu_slots=8, num_host_slots=2), shape=shape)
+    a = tokens(10, 1)
+    prefill(dp, 1, a, [0, 1, 2])
+    check = prefill(dp, 2, np.concatenate([a[:8], tokens(3, 2)]), [3, 4, 5], start=8,
+                    copy_ops=[offload(0, 8), offload(1, 9), onboard(8, 3), onboard(9, 4)])
+    assert check.verified
+
+
+class NoisyBackend(TorchBackend):
+    def run(self, kv, batch, layer, q):
+        out = super().run(kv, batch, layer, q)
+        out[-1] += 0.05
+        return out
+
+
+def test_attention_error_beyond_tolerance_is_reported():
+    dp = plane()
+    dp.backend = NoisyBackend()
+    check = prefill(dp, 1, tokens(9, 1), [0, 1, 2])
+    m = check.mismatch
+    assert m.kind == "attention" and m.position == 8 and m.error > m.tolerance > 0
+    assert check.max_abs_err == pytest.approx(0.05, rel=0.05)
+
+
+def test_verify_off_and_sample():
+    off = plane(verify="off")
+    check = prefill(off, 1, tokens(8, 1), [0, 1])
+    assert check.verified is None and off.metrics()["verified"] is None
+    sample = plane(verify="sample")
+    checked = [prefill(sample, i, tokens(4, i), [i]).verified for i in range(16)]
+    assert None in checked and all(c in (None, True) for c in checked)
+
+
+def test_bad_items_are_caller_errors():
+    dp = plane()
+    with pytest.raises(ValueError, match="empty"):
+        StepItem(1, tokens(4, 1), [0], 4, 4)
+    with pytest.raises(ValueError, match="tokens cover"):
+        StepItem(1, tokens(4, 1), [0, 1], 0, 6)
+    with pytest.raises(ValueError, match="page table has"):
+        prefill(dp, 1, tokens(9, 1), [0, 1])
+    with pytest.raises(ValueError, match="outside the pool"):
+        prefill(dp, 1, tokens(4, 1), [99])
+
+
+def test_flashinfer_resolution_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: covered by tests/test_flashinfer.py")
+    assert resolve_backend("auto", "bfloat16") == "torch"
+    assert resolve_backend("torch", "float32") == "torch"
+    with pytest.raises(BackendUnavailable, match="CUDA"):
+        resolve_backend("flashinfer", "bfloat16")

@@ -360,3 +360,16 @@ def test_flashinfer_resolution_without_cuda():
     assert resolve_backend("torch", "float32") == "torch"
     with pytest.raises(BackendUnavailable, match="CUDA"):
         resolve_backend("flashinfer", "bfloat16")
+
+
+def test_sequence_tokens_appends_generated_tokens():
+    from kvbench.kernels.step import sequence_tokens
+    from kvbench.traffic.request import Request
+
+    prompt = np.arange(10, 16)
+    known = Request(1, 0.0, 6, 3, tokens=prompt, output_tokens=np.array([7, 8, 9]))
+    assert sequence_tokens(known, 4).tolist() == [10, 11, 12, 13]
+    assert sequence_tokens(known, 8).tolist() == [10, 11, 12, 13, 14, 15, 7, 8]
+    unknown = Request(2, 0.0, 6, 3, tokens=prompt)
+    tail = sequence_tokens(unknown, 9)[6:]
+    assert (tail < 0).all() and len(set(tail.tolist())) == 3

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..cache.manager import KVCacheManager, Sequence as CacheSequence
+from ..cache.windows import WindowedCacheManager, WindowedSequence
 from ..kernels.step import StepItem
 from ..traffic.request import Request
 from .timeline import Timeline
@@ -68,3 +69,59 @@ def _data_plane_step(data_plane, manager: KVCacheManager, r: Request, seq: Cache
     manager.copy_ops.clear()
     data_plane.execute_step(
         ops, [StepItem(r.id, r.prompt_tokens(), seq.blocks, seq.num_computed, r.input_length)])
+
+
+def replay_cache_mode_windowed(
+    requests: Sequence[Request], manager: WindowedCacheManager,
+    on_progress: Callable[[int], None] | None = None, progress_every: int = 256,
+    data_plane=None,
+) -> CacheModeResult:
+    """`replay_cache_mode` for a model with sliding-window layers: each request is one
+    prefill step over every life cycle's pool (`WindowedCacheManager.begin_step` /
+    `end_step`), so out-of-window prompt blocks go to scratch slots when that is on. The
+    timeline's block counts sum the slots of all pools."""
+    timeline = Timeline("request", ("reused_tokens", "prompt_tokens", "in_use", "cached", "free"))
+    cols = timeline.columns
+    c_reused, c_prompt, c_in_use, c_cached, c_free = (
+        cols["reused_tokens"], cols["prompt_tokens"], cols["in_use"], cols["cached"], cols["free"])
+    pools = [m.gpu for m in manager.managers]
+    prompt = reused = host = full = partial = 0
+    for i, r in enumerate(requests):
+        seq = manager.add_sequence(r)
+        if not manager.begin_step(seq, r.input_length):
+            raise ValueError(f"request {r.id} does not fit in the cache")
+        if data_plane is not None:
+            _windowed_data_plane_step(data_plane, manager, r, seq)
+        in_use = sum(p.num_in_use for p in pools)
+        manager.end_step(seq)
+        manager.release(seq)
+        prompt += r.input_length
+        reused += seq.reused_tokens
+        host += seq.reused_tokens_host
+        full += seq.reused_full_blocks
+        partial += seq.partial_tokens
+        c_reused.append(seq.reused_tokens)
+        c_prompt.append(r.input_length)
+        c_in_use.append(in_use)
+        c_cached.append(sum(p.num_cached for p in pools))
+        c_free.append(sum(len(p.empty) for p in pools))
+        if on_progress is not None and i % progress_every == progress_every - 1:
+            on_progress(progress_every)
+    if on_progress is not None:
+        on_progress(len(requests) % progress_every)
+    return CacheModeResult(prompt, reused, host, full, partial, timeline)
+
+
+def _windowed_data_plane_step(data_plane, manager: WindowedCacheManager, r: Request,
+                              seq: WindowedSequence) -> None:
+    ops = {}
+    for i, m in enumerate(manager.managers):
+        ops[i] = list(m.copy_ops)
+        m.copy_ops.clear()
+    tokens = r.prompt_tokens()
+    items = []
+    for i in range(len(manager.managers)):
+        first, blocks, scratch = manager.step_view(seq, i, seq.num_computed)
+        items.append(StepItem(r.id, tokens, blocks, seq.num_computed, r.input_length, pool=i,
+                              first_block=first, scratch=scratch))
+    data_plane.execute_step(ops, items)

@@ -26,7 +26,7 @@ class PagedBatch:
     __slots__ = (
         "items", "pool", "window", "decode", "tpb", "kv_start", "kv_len", "qo_indptr",
         "kv_indptr", "last_page_len", "pages", "has_scratch", "new_positions", "new_tokens",
-        "tok_batch", "tok_rel", "_base", "_scratch_mask", "_scratch_pages", "_tok_page",
+        "tok_batch", "tok_rel", "_base", "_scratch_mask", "_tok_page",
         "_tok_slot", "device",
     )
 
@@ -100,21 +100,14 @@ class PagedBatch:
         self.device = device
         self._base = torch.from_numpy(self.pages).to(device)
         self._scratch_mask = torch.from_numpy(mask).to(device) if self.has_scratch else None
-        self._scratch_pages = self._base if self.has_scratch else None
-        if self.has_scratch:
-            self._base = torch.from_numpy(np.where(mask, 0, self.pages)).to(device)
         self._tok_page = torch.from_numpy(tok_page).to(device)
         self._tok_slot = torch.from_numpy(self.tok_rel % tpb).to(device)
-
-    @property
-    def num_queries(self) -> int:
-        return int(self.qo_indptr[-1])
 
     def layer_pages(self, layer: int) -> torch.Tensor:
         """Page index of every page-table entry in the pool's `layer`-th layer (int64)."""
         pages = self._base + layer
         if self._scratch_mask is not None:
-            pages = torch.where(self._scratch_mask, self._scratch_pages, pages)
+            pages = torch.where(self._scratch_mask, self._base, pages)
         return pages
 
     def write_targets(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,13 +3,13 @@
 Wiring it into an engine loop (cache mode does this per request, serve mode per iteration)::
 
     plane = open_data_plane(workload.model, tokens_per_block, pools, backend="auto",
-                            verify="all", seed=0)
+                            verify=workload.run.verify, seed=workload.run.seed)
     ...  # the cache manager runs with CacheSpec(emit_copy_ops=True)
-    ops, manager.copy_ops = manager.copy_ops, []
+    # per step, after add/resize of every scheduled sequence, before commit:
+    ops = list(manager.copy_ops); manager.copy_ops.clear()
     check = plane.execute_step(ops, [
-        StepItem(request.id, tokens, seq.blocks, start=first_computed, end=last_computed + 1)
-        for each sequence that computes tokens this step
-    ])
+        StepItem(req.id, sequence_tokens(req, end), seq.blocks, start, end)
+        for req, seq, start, end in scheduled])  # [start, end): the chunk, or one decode token
     ...
     metrics.update(plane.metrics())
 
@@ -172,7 +172,8 @@ class DataPlane:
 
     def metrics(self) -> dict:
         """Run-level metrics for the result JSON (`verified` is None when no step was
-        checked); times only on CUDA, where they are measured."""
+        checked); times only on CUDA, where they are measured, with `time_source: measured`
+        (a loop whose step times still come from a modeled clock must keep its own label)."""
         checked = self.verified_steps > 0
         out = {
             "verified": (self.first_mismatch is None) if checked else None,
@@ -189,7 +190,8 @@ class DataPlane:
                 "attention_ms": self.attention_ms,
                 "kv_write_ms": self.write_ms,
                 "copy_ms": self.copy_ms,
-                "copy_gb_per_s": self.copy_bytes / self.copy_ms / 1e6 if self.copy_ms else None,
+                "copy_gb_per_s": (self.copy_bytes / self.copy_ms / 1e6
+                                  if self.copy_bytes and self.copy_ms else None),
             })
         return out
 

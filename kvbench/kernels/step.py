@@ -19,6 +19,22 @@ class BackendUnavailable(Exception):
     """The requested attention backend cannot run here (no CUDA, package missing, dtype)."""
 
 
+def sequence_tokens(request, end: int) -> np.ndarray:
+    """Token ids of positions `[0, end)` of a request's sequence: its prompt, then the tokens
+    it generates (`request.output_tokens` when the traffic knows them; otherwise ids below
+    zero, unique per request and position, which no prompt holds)."""
+    prompt = request.prompt_tokens(0, min(end, request.input_length))
+    n = end - request.input_length
+    if n <= 0:
+        return prompt
+    known = request.output_tokens
+    if known is not None and len(known) >= n:
+        generated = np.asarray(known[:n], dtype=np.int64)
+    else:
+        generated = -1 - (request.id << 24) - np.arange(n, dtype=np.int64)
+    return np.concatenate([np.asarray(prompt, dtype=np.int64), generated])
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     """The attention shape the KV tensors and the synthetic model are built for."""

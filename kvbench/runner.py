@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cache.manager import CacheSpec, KVCacheManager
+from .cache.windows import (WindowedCacheManager, life_cycles, prefill_blocks_bound,
+                            split_gpu_blocks)
 from .config import Workload, resolve_path
-from .engine.cache_mode import replay_cache_mode
+from .engine.cache_mode import replay_cache_mode, replay_cache_mode_windowed
 from .engine.clock import StepClock, hardware_from_config
 from .engine.scheduler import Scheduler
 from .engine.serve import run_serve
@@ -82,24 +84,36 @@ def _check_supported(wl: Workload) -> None:
     unsupported = []
     if wl.run.mode == "serve" and wl.run.backend != "none":
         unsupported.append(f"run.backend: {wl.run.backend} with run.mode: serve")
-    if any(w is not None for w in wl.model.layer_windows):
-        unsupported.append("model.attention_window")
+    if wl.run.mode == "serve" and _windowed(wl):
+        unsupported.append("model.attention_window with run.mode: serve")
     if unsupported:
         raise InputError(
             f"{_where(wl)}: not supported by this kvbench build: {', '.join(unsupported)}")
 
 
-def _open_data_plane(wl: Workload, spec: CacheSpec):
-    """The data plane for `run.backend` (None for `none`); torch is imported only here."""
+def _windowed(wl: Workload) -> bool:
+    """Some layer has a sliding window: one pool per life cycle (`cache/windows.py`)."""
+    return any(w is not None for w in wl.model.layer_windows)
+
+
+def _open_data_plane(wl: Workload, spec: CacheSpec,
+                     windowed: WindowedCacheManager | None = None):
+    """The data plane for `run.backend` (None for `none`); torch is imported only here.
+    With a `windowed` manager, one tensor per life cycle's pool."""
     if wl.run.backend == "none":
         return None
     from .kernels.dataplane import open_data_plane
     from .kernels.step import BackendUnavailable, PoolSpec
 
-    pool = PoolSpec(tuple(range(wl.model.num_layers)), spec.num_gpu_blocks,
-                    num_host_slots=spec.num_host_blocks)
+    if windowed is None:
+        pools = [PoolSpec(tuple(range(wl.model.num_layers)), spec.num_gpu_blocks,
+                          num_host_slots=spec.num_host_blocks)]
+    else:
+        pools = [PoolSpec(c.layers, m.gpu.capacity, window=c.window,
+                          num_host_slots=m.host.capacity if m.host is not None else 0)
+                 for c, m in zip(windowed.cycles, windowed.managers)]
     try:
-        return open_data_plane(wl.model, spec.tokens_per_block, [pool], backend=wl.run.backend,
+        return open_data_plane(wl.model, spec.tokens_per_block, pools, backend=wl.run.backend,
                                verify=wl.run.verify, seed=wl.run.seed)
     except BackendUnavailable as exc:
         raise InputError(f"{_where(wl)}: run.backend: {exc}") from None
@@ -116,16 +130,55 @@ def _check_fits(wl: Workload, requests: list[Request], num_blocks: int) -> None:
             f"holds {num_blocks}; raise cache.max_tokens to at least {need * tpb}")
 
 
+def windowed_manager(wl: Workload, requests: list[Request], *,
+                     emit_copy_ops: bool = False) -> WindowedCacheManager:
+    """The pools of a model with sliding-window layers: one per life cycle, the GPU budget
+    (`cache.max_tokens` tokens of the whole model, in bytes) split by
+    `cache.window_memory_split` against the mean prompt, no pool below what the longest
+    prompt needs in its one prefill step; each pool's host tier is `host_offload_ratio` of
+    its GPU blocks."""
+    c, m = wl.cache, wl.model
+    tpb = c.tokens_per_block
+    cycles = life_cycles(m.layer_windows)
+    per_layer = m.kv_bytes_per_token_per_layer
+    slot_bytes = [tpb * cyc.num_layers * per_layer for cyc in cycles]
+    longest = max(r.input_length for r in requests)
+    mean = -(-sum(r.input_length for r in requests) // len(requests))
+    floors = [prefill_blocks_bound(cyc, tpb, longest, c.swa_scratch_reuse) for cyc in cycles]
+    budget = c.max_tokens * m.num_layers * per_layer
+    try:
+        blocks = split_gpu_blocks(cycles, budget, slot_bytes, mean,
+                                  policy=c.window_memory_split, min_blocks=floors)
+    except ValueError:
+        need = sum(f * b for f, b in zip(floors, slot_bytes))
+        raise InputError(
+            f"{_where(wl)}: cache.max_tokens: the longest prompt ({longest} tokens) needs "
+            f"{need} bytes of KV across the attention pools but the cache holds {budget}; "
+            f"raise cache.max_tokens to at least {-(-need // (m.num_layers * per_layer))}"
+        ) from None
+    specs = [CacheSpec(
+        tokens_per_block=tpb, num_gpu_blocks=n, num_host_blocks=int(c.host_offload_ratio * n),
+        secondary_offload_min_priority=c.secondary_offload_min_priority,
+        enable_block_reuse=c.enable_block_reuse, enable_partial_reuse=c.enable_partial_reuse,
+        copy_on_partial_reuse=c.copy_on_partial_reuse, emit_copy_ops=emit_copy_ops,
+    ) for n in blocks]
+    return WindowedCacheManager(
+        cycles, specs, release_out_of_window=c.release_out_of_window,
+        swa_scratch_reuse=c.swa_scratch_reuse, bytes_per_token_per_layer=per_layer)
+
+
 def _run_one(
     name: str, wl: Workload, requests: list[Request], progress: ProgressFactory | None
 ) -> RunOutcome:
     if wl.run.mode == "serve":
         return _run_serve(name, wl, requests, progress)
+    if _windowed(wl):
+        return _run_windowed(name, wl, requests, progress)
     spec = cache_spec(wl, emit_copy_ops=wl.run.backend != "none")
     _check_fits(wl, requests, spec.num_gpu_blocks)
+    plane = _open_data_plane(wl, spec)
     t0 = time.perf_counter()
     manager = KVCacheManager(spec)
-    plane = _open_data_plane(wl, spec)
     advance = progress(name, len(requests)) if progress is not None else None
     result = replay_cache_mode(requests, manager, advance, data_plane=plane)
     # With a host tier the optimum may keep blocks in either tier: one pool of both sizes.
@@ -168,6 +221,61 @@ def _run_one(
     return RunOutcome(name, wl, metrics, result.timeline.to_json())
 
 
+def _run_windowed(
+    name: str, wl: Workload, requests: list[Request], progress: ProgressFactory | None
+) -> RunOutcome:
+    """Cache mode over one pool per attention life cycle. `optimal_hit_rate` is null: the
+    offline optimum is for one pool; `ideal_hit_rate` is that of an unlimited cache that
+    keeps every block (no scratch, nothing dropped)."""
+    manager = windowed_manager(wl, requests, emit_copy_ops=wl.run.backend != "none")
+    spec = manager.managers[0].spec
+    plane = _open_data_plane(wl, spec, manager)
+    t0 = time.perf_counter()
+    advance = progress(name, len(requests)) if progress is not None else None
+    result = replay_cache_mode_windowed(requests, manager, advance, data_plane=plane)
+    ideal = reference_hit_rates(
+        requests, spec.tokens_per_block, None, partial_reuse=spec.enable_partial_reuse,
+        block_reuse=spec.enable_block_reuse).ideal_hit_rate
+    wall = time.perf_counter() - t0
+    for r in requests:
+        r.drop_keys()
+    prompt = result.prompt_tokens
+    metrics = {
+        "requests": len(requests),
+        "prompt_tokens": prompt,
+        "reused_tokens": result.reused_tokens,
+        "reused_tokens_gpu": result.reused_tokens - result.reused_tokens_host,
+        "reused_tokens_host": result.reused_tokens_host,
+        "reused_full_blocks": result.reused_full_blocks,
+        "reused_partial_tokens": result.reused_partial_tokens,
+        "hit_rate": result.reused_tokens / prompt,
+        "ideal_hit_rate": ideal,
+        "optimal_hit_rate": None,
+        "gpu_blocks_total": manager.gpu_blocks_total,
+        "gpu_bytes_total": manager.gpu_bytes_total,
+        "host_blocks_total": manager.host_blocks_total,
+        "peak_gpu_blocks": manager.peak_gpu_blocks,
+        "peak_host_blocks": manager.total("peak_host_blocks"),
+        "peak_gpu_bytes": manager.peak_gpu_bytes,
+        "scratch_slots_peak": manager.scratch_slots_peak,
+        "scratch_blocks": manager.scratch_blocks,
+        "reuse_fallbacks": manager.reuse_fallbacks,
+        "allocated_blocks": manager.total("allocated_blocks"),
+        "evicted_blocks": manager.total("evicted_blocks"),
+        "onboard_blocks": manager.total("onboard_blocks"),
+        "offload_blocks": manager.total("offload_blocks"),
+        "host_evicted_blocks": manager.total("host_evicted_blocks"),
+        "partial_copy_blocks": manager.total("partial_copy_blocks"),
+        "pools": manager.pool_metrics(),
+        "wall_s": wall,
+        "verified": None,
+        "max_abs_err": None,
+    }
+    if plane is not None:
+        metrics.update(plane.metrics())
+    return RunOutcome(name, wl, metrics, result.timeline.to_json())
+
+
 def _run_serve(
     name: str, wl: Workload, requests: list[Request], progress: ProgressFactory | None
 ) -> RunOutcome:
@@ -181,7 +289,7 @@ def _run_serve(
         requests, manager, Scheduler(sched, spec.tokens_per_block),
         StepClock(wl.model, hardware_from_config(wl.hardware)),
         revert_deferred_ctx=sched.revert_deferred_ctx, batch_add=wl.cache.add_sequence == "batch",
-        on_progress=advance)
+        block_bytes=block_bytes(wl), on_progress=advance)
     ideal = _serve_ideal_hit_rate(requests, spec)
     wall = time.perf_counter() - t0
     for r in requests:

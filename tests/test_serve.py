@@ -1,6 +1,5 @@
 """Serve mode: the iteration loop, checked at every step on small random and constructed runs."""
 
-import math
 from types import SimpleNamespace
 
 import numpy as np

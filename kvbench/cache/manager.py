@@ -57,13 +57,19 @@ class CacheSpec:
     """Record every block copy as a `CopyOp` for a data plane (otherwise only count them)."""
 
 
+NO_BLOCK = BlockId(-1)
+"""Placeholder in `Sequence.blocks` for a position that holds no block of this life cycle: a
+sliding window no longer (or never) needs it, or it is a scratch block (`windows.py`). It keeps
+the positions of the other blocks aligned with the sequence's tokens."""
+
+
 class Sequence:
     """One request's hold on the cache."""
 
     __slots__ = (
         "request", "keys", "blocks", "num_tokens", "num_computed", "num_stored",
         "reused_tokens", "reused_full_blocks", "reused_tokens_host", "partial_tokens",
-        "partial_copied", "_partial",
+        "partial_copied", "_partial", "holes",
     )
 
     def __init__(self, request: Request, keys: list[BlockKey]) -> None:
@@ -85,6 +91,8 @@ class Sequence:
         self.partial_copied = False
         self._partial: tuple[BlockId, int] | None = None
         """A claimed, partially matched block waiting for phase 2."""
+        self.holes = False
+        """Some entry of `blocks` is NO_BLOCK (only sliding-window life cycles make them)."""
 
 
 class KVCacheManager:
@@ -197,8 +205,11 @@ class KVCacheManager:
         end = min(seq.num_computed // self.tpb, len(keys))
         begin = seq.num_stored
         if begin < end:
-            parent = keys[begin - 1] if begin else seq.request.root_key
-            self.index.insert_full(seq.blocks, keys, begin, end, parent, seq.request)
+            if seq.holes:
+                self._insert_around_holes(seq, begin, end)
+            else:
+                parent = keys[begin - 1] if begin else seq.request.root_key
+                self.index.insert_full(seq.blocks, keys, begin, end, parent, seq.request)
             seq.num_stored = end
 
     def release(self, seq: Sequence) -> None:
@@ -212,7 +223,11 @@ class KVCacheManager:
         level = seq.request.priority
         cached: list[BlockId] = []
         freed = 0
-        for b in reversed(seq.blocks):
+        blocks = seq.blocks
+        if seq.holes:
+            blocks = [b for b in blocks if b != NO_BLOCK]
+            seq.holes = False
+        for b in reversed(blocks):
             r = ref[b] - 1
             ref[b] = r
             if r:
@@ -254,6 +269,8 @@ class KVCacheManager:
         keep = -(-num_tokens // self.tpb)
         extra = seq.blocks[keep:]
         del seq.blocks[keep:]
+        if seq.holes:
+            extra = [b for b in extra if b != NO_BLOCK]
         seq.num_tokens = min(seq.num_tokens, num_tokens)
         ref, source, pool = self.ref_count, self.index.source, self.gpu
         for b in reversed(extra):
@@ -267,6 +284,101 @@ class KVCacheManager:
             else:
                 pool.empty.append(b)
         return len(extra)
+
+    def match_capped(
+        self, request: Request, max_tokens: int, first_block: int = 0,
+    ) -> tuple[list[BlockId], tuple[BlockId, int] | None]:
+        """`match` reusing at most `max_tokens` tokens, for a caller that combines several
+        life cycles (`windows.py`): blocks before `first_block` are not looked up (NO_BLOCK
+        stands in for them: a sliding window at the match end does not need them), and a
+        partial match `add` could not use (shared, without copy_on_partial_reuse) is left
+        out, so the match is exactly what `claim_match` reuses unless an onboard or a copy
+        finds no free GPU block."""
+        if not self.spec.enable_block_reuse:
+            return [], None
+        tpb = self.tpb
+        max_tokens = min(max_tokens, request.input_length - 1)
+        keys = request.block_keys(tpb)
+        found = self.index.walk(keys[first_block:], max_tokens // tpb - first_block)
+        full = [NO_BLOCK] * first_block + found if first_block else found
+        partial = None
+        if self.index.kids is not None:
+            pos = len(full)
+            parent = keys[pos - 1] if full else request.root_key
+            partial = self.index.best_partial(
+                parent, request, pos, min(tpb, max_tokens - pos * tpb), self._claimable)
+            if partial is not None and not self._partial_usable(partial[0]):
+                partial = None
+        return full, partial
+
+    def claim_match(self, request: Request, full: list[BlockId],
+                    partial: tuple[BlockId, int] | None) -> Sequence:
+        """Phase 1 for a match the caller chose (from `match_capped`): a new sequence of
+        `request` holding `full` (leading NO_BLOCK entries are positions it does not need)
+        and the claimed `partial` block. `onboard` completes the add."""
+        seq = Sequence(request, request.block_keys(self.tpb))
+        for b in full:
+            if b != NO_BLOCK:
+                self._claim(b)
+        seq.blocks = full
+        seq.holes = bool(full) and full[0] == NO_BLOCK
+        seq.num_stored = seq.reused_full_blocks = len(full)
+        if partial is not None:
+            self._claim(partial[0])
+            seq._partial = partial
+        self._track(seq)
+        return seq
+
+    def onboard(self, seqs: list[Sequence]) -> None:
+        """Phase 2 for sequences from `claim_match`: onboard host hits and settle partial
+        matches, as `add_sequences` does after claiming."""
+        for seq in seqs:
+            self._onboard(seq)
+        self._moved.clear()
+
+    def skip_blocks(self, seq: Sequence, n: int) -> None:
+        """Give the next `n` positions of `seq` no block of their own (NO_BLOCK): a caller
+        serves them elsewhere (scratch slots) and they are never stored; `resize` then
+        allocates only the positions after them."""
+        if n > 0:
+            seq.blocks.extend([NO_BLOCK] * n)
+            seq.holes = True
+
+    def release_blocks(self, seq: Sequence, begin: int, end: int, keep_cached: bool = True) -> int:
+        """Release blocks `[begin, end)` of a live sequence (those a sliding window no longer
+        needs), leaving NO_BLOCK in their place. A block no other sequence holds becomes free:
+        with `keep_cached` a stored one joins the free queue as in `release` (still reusable
+        until evicted), otherwise it is dropped from the index and becomes empty. Commit the
+        sequence first, or its computed blocks are lost. Returns the GPU blocks freed."""
+        blocks = seq.blocks
+        ref, prio, index = self.ref_count, self.priority, self.index
+        empty = self.gpu.empty
+        level = seq.request.priority
+        cached: list[BlockId] = []
+        freed = 0
+        for i in range(min(end, len(blocks)) - 1, begin - 1, -1):
+            b = blocks[i]
+            if b == NO_BLOCK:
+                continue
+            blocks[i] = NO_BLOCK
+            r = ref[b] - 1
+            ref[b] = r
+            if r:
+                continue
+            freed += 1
+            if index.source[b] is None:
+                empty.append(b)
+            elif keep_cached:
+                prio[b] = level
+                cached.append(b)
+            else:
+                index.remove(b)
+                empty.append(b)
+        if end > begin:
+            seq.holes = True
+        self.gpu.free_queue.push_back_many(cached, level)
+        self.gpu.num_in_use -= freed
+        return freed
 
     def enable_sanity_tracking(self) -> None:
         """Track live sequences so `_check_sanity` can verify ref counts (tests only)."""
@@ -483,11 +595,28 @@ class KVCacheManager:
         if not n or self.index.kids is None or seq.num_computed > seq.request.input_length:
             return
         b = seq.blocks[i]
-        if self.ref_count[b] > 1 or self.index.source[b] is not None:
+        if b == NO_BLOCK or self.ref_count[b] > 1 or self.index.source[b] is not None:
             return
         request = seq.request
         parent = seq.keys[i - 1] if i else request.root_key
         self.index.insert_partial(b, parent, request, i, n)
+
+    def _insert_around_holes(self, seq: Sequence, begin: int, end: int) -> None:
+        """`insert_full` of the blocks of `[begin, end)`, one run between holes at a time;
+        keys chain the whole prefix, so a run's parent key is valid though its block is not
+        here."""
+        blocks, keys = seq.blocks, seq.keys
+        i = begin
+        while i < end:
+            if blocks[i] == NO_BLOCK:
+                i += 1
+                continue
+            j = i + 1
+            while j < end and blocks[j] != NO_BLOCK:
+                j += 1
+            parent = keys[i - 1] if i else seq.request.root_key
+            self.index.insert_full(blocks, keys, i, j, parent, seq.request)
+            i = j
 
     def _track(self, seq: Sequence) -> None:
         if self._live is not None:
@@ -514,8 +643,10 @@ class KVCacheManager:
         if self._live is not None:
             owners = [0] * len(self.ref_count)
             for seq in self._live:
+                assert seq.holes or NO_BLOCK not in seq.blocks
                 for b in seq.blocks:
-                    owners[b] += 1
+                    if b != NO_BLOCK:
+                        owners[b] += 1
                 if seq._partial is not None:
                     owners[seq._partial[0]] += 1
             assert owners == self.ref_count, "ref counts do not match the live sequences"

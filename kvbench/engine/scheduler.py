@@ -10,6 +10,9 @@ always fit: `max_batch_size <= max_num_tokens` is checked up front):
   budget rounded down to whole blocks (the chunk unit is `tokens_per_block`), or waits when
   chunking is off. A new request's remaining context starts after its *estimated* reuse: reuse
   shifts the chunk window, it does not shrink a chunk.
+- **Capacity.** A context chunk is scheduled when the free pool has blocks for it (empty or
+  evictable cached ones), not for the whole request (as TensorRT-LLM's MAX_UTILIZATION policy);
+  when a running request later cannot get a block, the loop preempts the newest one.
 - **Reuse estimate before allocation.** A waiting request is costed with the reuse the prefix
   index shows now (`KVCacheManager.estimate_add`), in tokens against the budget and in blocks
   against the free pool. The cache adds and allocates later; if the actual reuse falls short, a

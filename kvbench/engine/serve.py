@@ -78,34 +78,43 @@ class StepRecord:
 
 @dataclass(slots=True)
 class ServeResult:
+    """What a serve run did; per-request times and reuse are on `requests`."""
+
     requests: list[ServeRequest]
     """In arrival order, every one finished."""
     iterations: int
+    """Steps, jumped ones included."""
     duration_s: float
     """Modeled time from the first arrival to the last finish."""
     computed_tokens: int
+    """Tokens whose KV was computed (context chunks, recomputation and decode)."""
     preemptions: int
     mnt_overflow_steps: int
+    """Steps whose actually computed tokens exceeded max_num_tokens."""
     max_mnt_overshoot_tokens: int
     reuse_shortfall_tokens: int
+    """Estimated minus actual reuse, summed over the adds that computed in their step."""
     deferred_ctx_blocks_held_peak: int
+    """Most blocks deferred context requests held at once for work delay batching postponed
+    (claimed reused blocks and the chunk's allocation; 0 with revert_deferred_ctx)."""
     deferred_ctx_blocks_reverted: int
+    """Blocks deferred context requests returned at once (revert_deferred_ctx), per deferral."""
     batch_wait_iterations: int
+    """Steps in which delay batching deferred context requests."""
     ctx_alloc_failures: int
+    """New context requests that could not get their chunk's blocks after the add (their reuse
+    fell short of the estimate) and waited for a later step."""
     timeline: Timeline
 
 
 def run_serve(
     requests: Sequence[Request], manager: KVCacheManager, scheduler: Scheduler,
-    clock: StepClock, *, revert_deferred_ctx: bool = False, batch_add: bool = False,
-    bulk_decode: bool = True, on_step: Callable[[StepRecord], None] | None = None,
-    on_progress: Callable[[int], None] | None = None,
+    clock: StepClock, **options,
 ) -> ServeResult:
-    """Serve `requests` (in arrival order) to completion. The caller has checked that each
-    fits: its whole stream in the cache and, without chunked prefill, in max_num_tokens."""
-    return ServeLoop(requests, manager, scheduler, clock, revert_deferred_ctx=revert_deferred_ctx,
-                     batch_add=batch_add, bulk_decode=bulk_decode, on_step=on_step,
-                     on_progress=on_progress).run()
+    """Serve `requests` (in arrival order) to completion; `options` as `ServeLoop` takes them.
+    The caller has checked that each request fits: the KV of its prompt and generated tokens
+    in the cache and, without chunked prefill, its longest context in max_num_tokens."""
+    return ServeLoop(requests, manager, scheduler, clock, **options).run()
 
 
 class ServeLoop:
@@ -116,13 +125,14 @@ class ServeLoop:
         "on_step", "on_progress", "tpb", "mnt", "waiting", "prefilling", "decoders", "dec_k",
         "events", "step", "now", "finished", "preemptions", "overflow_steps", "max_overshoot",
         "shortfall", "held_peak", "reverted", "wait_iterations", "alloc_failures",
-        "computed_tokens", "timeline", "_columns",
+        "computed_tokens", "timeline", "block_bytes", "_moved", "_columns",
     )
 
     def __init__(
         self, requests: Sequence[Request], manager: KVCacheManager, scheduler: Scheduler,
         clock: StepClock, *, revert_deferred_ctx: bool = False, batch_add: bool = False,
-        bulk_decode: bool = True, on_step: Callable[[StepRecord], None] | None = None,
+        block_bytes: int = 0, bulk_decode: bool = True,
+        on_step: Callable[[StepRecord], None] | None = None,
         on_progress: Callable[[int], None] | None = None,
     ) -> None:
         self.states = [ServeRequest(r, i) for i, r in enumerate(requests)]
@@ -153,6 +163,9 @@ class ServeLoop:
         self.held_peak = self.reverted = self.wait_iterations = self.alloc_failures = 0
         self.computed_tokens = 0
         self.timeline = Timeline("step", TIMELINE_COLUMNS)
+        self.block_bytes = block_bytes
+        """Bytes one block moves over the host link (onboard or offload), for the clock."""
+        self._moved = 0
         self._columns = tuple(self.timeline.columns[name] for name in TIMELINE_COLUMNS)
 
     def run(self) -> ServeResult:
@@ -192,14 +205,14 @@ class ServeLoop:
     # --- one step -------------------------------------------------------------------------
 
     def _step(self) -> bool:
-        """Run one step; True when it was pure decode with nothing left to change, so the
-        steps up to the next event or arrival would repeat it."""
-        step, mgr = self.step, self.manager
+        """Run one step; True when it was pure decode and changed nothing the scheduler looks
+        at, so the steps up to the next event or arrival would repeat it."""
+        step = self.step
         preempted: list[int] = []
         finishing = self._generation_phase(preempted)
         num_gen = len(self.decoders)
         plan = self.scheduler.plan_context(
-            self.prefilling, self.waiting, num_gen, num_gen + len(self.prefilling), mgr)
+            self.prefilling, self.waiting, num_gen, num_gen + len(self.prefilling), self.manager)
         if not plan and not num_gen:
             # Running requests hold the blocks the oldest one needs and none can move:
             # suspend the newest (the oldest always fits alone, which the caller checked).
@@ -209,15 +222,35 @@ class ServeLoop:
             return False
         work = self._place(plan)
         scheduled = num_gen + sum(w.chunk for w in work)
-        deferred: list[int] = []
+        deferred: tuple[int, ...] = ()
         if work and self.scheduler.defer(scheduled, len(work), num_gen):
             self.wait_iterations += 1
-            deferred = [w.req.request.id for w in work]
+            deferred = tuple(w.req.request.id for w in work)
             self._hold_or_revert(work)
-            work = []
-            scheduled = num_gen
-        # Compute: decoders at position p read p + 1 KV tokens.
-        kv = self.dec_k + num_gen * (step + 1)
+            work, scheduled = [], num_gen
+        tokens, dt = self._compute(work, num_gen)
+        start_s = self.now
+        self.now += dt
+        if self.on_step is not None:
+            context = tuple(ContextChunk(w.req.request.id, w.start, w.end, w.chunk) for w in work)
+            generation = tuple((r.request.id, r.d_pos0 + step - r.d_step0)
+                               for r in self.decoders.values())
+        done = self._finish_context(work)
+        for r in finishing:
+            if r.phase is Phase.DECODE:
+                self._finish_decode(r)
+                done.append(r.request.id)
+        self._row(step, 1, start_s, num_gen + len(work), scheduled, tokens)
+        if self.on_step is not None:
+            self.on_step(StepRecord(step, 1, start_s, dt, context, generation, deferred,
+                                    tuple(preempted), tuple(done), scheduled, tokens))
+        self.step = step + 1
+        return not plan and not done and num_gen > 0
+
+    def _compute(self, work: list[ContextWork], num_gen: int) -> tuple[int, float]:
+        """Tokens the step computes and its modeled time; counts MNT overflow (the actual
+        tokens past the budget, DESIGN.md section 3) and the reuse shortfall behind it."""
+        kv = self.dec_k + num_gen * (self.step + 1)  # a decoder at position p reads p + 1
         tokens, pairs = num_gen, kv
         for w in work:
             c = w.end - w.start
@@ -230,27 +263,11 @@ class ServeLoop:
             self.overflow_steps += 1
             self.max_overshoot = max(self.max_overshoot, tokens - self.mnt)
         self.computed_tokens += tokens
-        start_s = self.now
-        dt = self.clock.step_seconds(tokens, pairs, kv)
-        self.now += dt
-        record = None
-        if self.on_step is not None:
-            record = (
-                tuple(ContextChunk(w.req.request.id, w.start, w.end, w.chunk) for w in work),
-                tuple((r.request.id, r.d_pos0 + step - r.d_step0)
-                      for r in self.decoders.values()),
-            )
-        done = self._finish_context(work)
-        for r in finishing:
-            if r.phase is Phase.DECODE:
-                self._finish_decode(r)
-                done.append(r.request.id)
-        self._row(step, 1, start_s, num_gen + len(work), scheduled, tokens)
-        if record is not None:
-            self.on_step(StepRecord(step, 1, start_s, dt, record[0], record[1], tuple(deferred),
-                                    tuple(preempted), tuple(done), scheduled, tokens))
-        self.step = step + 1
-        return not plan and not done and num_gen > 0
+        mgr = self.manager
+        moved = mgr.onboard_blocks + mgr.offload_blocks
+        copy_bytes = (moved - self._moved) * self.block_bytes
+        self._moved = moved
+        return tokens, self.clock.step_seconds(tokens, pairs, kv, copy_bytes)
 
     def _generation_phase(self, preempted: list[int]) -> list[ServeRequest]:
         """Give each decoder with an event now its next block; returns those finishing."""

@@ -148,7 +148,8 @@ class PrefixIndex:
                     # The common case inline (this loop runs per stored block): a node whose
                     # only entry is stale or absent.
                     old = kids.get(parent_key)
-                    if old is None or (old.__class__ is int and source[old] is None):
+                    if old is None or (old.__class__ is int
+                                       and (old == b or source[old] is None)):
                         first_of[b] = firsts[i]
                         kids[parent_key] = b
                     else:
@@ -237,7 +238,11 @@ class PrefixIndex:
         self.first_of[block] = first
         kids = self.kids
         entry = kids.get(parent_key)
-        if entry is None or (not isinstance(entry, dict) and not self._is_kid(entry, parent_key)):
+        # `block` may already be filed here from an earlier store (stale, but live again now
+        # that it is stored): it is filed once, last, or a block stored again and again at one
+        # place (a partially claimed block refilled) would pile up in the list.
+        if entry is None or (not isinstance(entry, dict)
+                             and (entry == block or not self._is_kid(entry, parent_key))):
             kids[parent_key] = block
         else:
             if not isinstance(entry, dict):
@@ -247,7 +252,8 @@ class PrefixIndex:
                 entry[first] = block
             else:
                 live = [b for b in (found if isinstance(found, list) else (found,))
-                        if self._is_kid(b, parent_key) and self.first_of[b] == first]
+                        if b != block and self._is_kid(b, parent_key)
+                        and self.first_of[b] == first]
                 entry[first] = live + [block] if live else block
 
     def _rebuild_kids(self) -> None:
@@ -281,6 +287,6 @@ class PrefixIndex:
             # Every stored block is findable under its parent and first token.
             for b, src in enumerate(self.source):
                 if src is not None:
-                    assert b in self._kids_of(self.parent_of[b], self.first_of[b])
+                    assert self._kids_of(self.parent_of[b], self.first_of[b]).count(b) == 1
                     assert src.first_tokens(self.tpb)[self.position[b]] == self.first_of[b]
         return True

@@ -99,12 +99,12 @@ def tune(
     workload: Annotated[Path, typer.Argument(help="Workload YAML with a tune: section.")],
     trials: Annotated[Optional[int], typer.Option(
         "--trials", "-n", min=1,
-        help="Trials in the study in all (default: tune.n_trials); a resumed study runs what it lacks.",
+        help="Trials in the study in all (default: tune.n_trials); resuming runs what it lacks.",
     )] = None,
     storage: Annotated[Optional[str], typer.Option(
         "--storage",
-        help="Optuna storage URL (sqlite:///F, postgresql://...) or journal:PATH "
-             "(default: sqlite:///results/<workload>-tune.db).",
+        help="Optuna storage URL (sqlite:///F, postgresql+psycopg://...) or journal:PATH; "
+             "default: results/<workload>-tune.db.",
     )] = None,
     study: Annotated[Optional[str], typer.Option(
         "--study", help="Study name (default: the workload's name).")] = None,

@@ -12,8 +12,9 @@ number of workers, on any number of machines, stop at exactly N. A trial counts 
 
   - complete (feasible or not), pruned, running or waiting (queued), or
   - failed *because of its parameters*: `outcome` = `invalid` (the configuration was rejected,
-    e.g. a block size larger than the cache) or `failed` (the run raised), since running the
-    same parameters again would fail again.
+    e.g. a block size larger than the cache; recorded as PRUNED so that TPE avoids the region)
+    or `failed` (the run raised; FAIL), since running the same parameters again would fail
+    again.
 
 A trial does not count when it was lost: its worker was killed (heartbeat stale), interrupted
 (Ctrl-C) or the study aborted. Such a trial is re-queued with the same parameters (at most
@@ -57,7 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
 MAX_RETRY = 3
 """How often a lost trial (killed worker, Ctrl-C) is re-queued with the same parameters."""
 
-WAIT_POLL_S = 1.0
+WAIT_POLL_S = 0.5
 """How often a worker with nothing left to start checks the trials other workers are running."""
 
 # `outcome` user attribute of a trial.
@@ -76,11 +77,6 @@ class TuneError(RuntimeError):
 class _TrialFailed(Exception):
     """Raised by the objective after recording why a trial failed; Optuna marks it FAIL and
     the study goes on (it is in `catch`)."""
-
-
-class _Abort(InputError):
-    """The workload cannot be tuned as written (an objective metric that runs do not produce):
-    stop the study, exit 2."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,9 +159,6 @@ class Plan:
     @property
     def constraints(self) -> list[Constraint]:
         return self.tune.parsed_constraints
-
-    def param(self, key: str) -> Param:
-        return next(p for p in self.params if p.key == key)
 
     def decoded_params(self, trial: FrozenTrial) -> dict[str, Any]:
         return {p.key: p.decode(trial.params[p.key]) for p in self.params if p.key in trial.params}
@@ -460,9 +453,11 @@ def open_storage(plan: Plan):
             except TypeError:  # optuna < 4.9
                 return RDBStorage(url, failed_trial_callback=callback, **kwargs)
         except ImportError as exc:
-            driver = "psycopg2-binary" if "postgres" in url else "the database driver"
-            raise TuneError(f"--storage {display_url(url)}: {exc}; install {driver} "
-                            "(pip install psycopg2-binary for PostgreSQL)") from None
+            cause = exc.__cause__ or exc
+            hint = (" (pip install 'psycopg[binary]' for postgresql://, or psycopg2-binary for "
+                    "postgresql+psycopg2://)" if "postgres" in url else "")
+            raise TuneError(f"--storage {display_url(url)}: no database driver: {cause}{hint}"
+                            ) from None
         except sqlalchemy.exc.ArgumentError as exc:
             raise InputError(f"--storage {display_url(url)}: {exc}") from None
         except sqlalchemy.exc.SQLAlchemyError as exc:
@@ -529,7 +524,7 @@ class _ThreadLock(_StudyLock):
 
 
 class _FileLock(_StudyLock):
-    """flock on a file beside the database or journal: every process on the machine."""
+    """flock on a lock file of the database or journal: every process on the machine."""
 
     def __init__(self, path: Path) -> None:
         super().__init__()
@@ -589,6 +584,15 @@ class _NoLock(_StudyLock):
     exact = False
 
 
+def is_in_memory(url: str) -> bool:
+    if not url.startswith("sqlite"):
+        return False
+    from sqlalchemy.engine import make_url
+
+    database = make_url(url).database
+    return not database or database == ":memory:"
+
+
 def lock_is_exact(url: str) -> bool:
     """Whether workers on this storage can share a study lock (see study_lock)."""
     if url.startswith("journal:"):
@@ -598,11 +602,21 @@ def lock_is_exact(url: str) -> bool:
     return make_url(url).get_backend_name() in ("sqlite", "postgresql", "mysql", "mariadb")
 
 
+def _lock_file(path: str) -> Path:
+    """The flock file of a study file: in the temporary folder, named by the file's real path,
+    so the results folder holds only the study itself."""
+    import tempfile
+
+    real = os.path.realpath(os.path.expanduser(path))
+    folder = Path(tempfile.gettempdir()) / "kvbench-tune-locks"
+    folder.mkdir(exist_ok=True)
+    return folder / (hashlib.sha256(real.encode()).hexdigest()[:32] + ".lock")
+
+
 def study_lock(plan: Plan) -> _StudyLock:
     url = plan.storage_url
     if url.startswith("journal:"):
-        return _FileLock(Path(url[len("journal:"):]).expanduser().with_name(
-            Path(url[len("journal:"):]).name + ".kvbench-lock"))
+        return _FileLock(_lock_file(url[len("journal:"):]))
     from sqlalchemy.engine import make_url
 
     parsed = make_url(url)
@@ -610,7 +624,7 @@ def study_lock(plan: Plan) -> _StudyLock:
     if dialect == "sqlite":
         if not parsed.database or parsed.database == ":memory:":
             return _ThreadLock()
-        return _FileLock(Path(parsed.database + ".kvbench-lock").expanduser())
+        return _FileLock(_lock_file(parsed.database))
     if dialect in ("postgresql", "mysql", "mariadb"):
         try:
             return _SqlLock(url, "postgresql" if dialect == "postgresql" else "mysql",
@@ -657,7 +671,10 @@ def tally(plan: Plan, trials: Sequence[FrozenTrial]) -> Tally:
             if plan.constraints and not is_feasible(plan, trial):
                 t.infeasible += 1
         elif trial.state == TrialState.PRUNED:
-            t.pruned += 1
+            if trial.user_attrs.get("outcome") == INVALID:
+                t.invalid += 1
+            else:
+                t.pruned += 1
         elif trial.state == TrialState.RUNNING:
             t.running += 1
         elif trial.state == TrialState.WAITING:
@@ -782,23 +799,25 @@ class _Objective:
         timing = {"worker": self.worker}
         try:
             params = {p.key: p.suggest(trial) for p in plan.params}
-            try:
-                wl = trial_workload(plan, params)
-                t1 = time.perf_counter()
-                from .runner import run_workload
+            timing["sample_s"] = time.perf_counter() - t0
+            wl = trial_workload(plan, params)
+            t1 = time.perf_counter()
+            timing["config_s"] = t1 - t0 - timing["sample_s"]
+            from .runner import run_workload
 
-                outcome = run_workload(wl)[0]
-            finally:
-                timing["trial_s"] = time.perf_counter() - t0
-            timing["config_s"] = t1 - t0
-            timing["run_s"] = timing["trial_s"] - timing["config_s"]
+            outcome = run_workload(wl)[0]
+            timing["run_s"] = time.perf_counter() - t1
         except KeyboardInterrupt:
             with contextlib.suppress(BaseException):
                 self._record(trial, INTERRUPTED, "interrupted (Ctrl-C)", timing)
             raise
         except InputError as exc:
+            # PRUNED, not FAIL: Optuna's TPE ignores failed trials but ranks pruned ones below
+            # every complete one, so it learns to stay out of invalid regions of the space.
             self._record(trial, INVALID, str(exc), timing)
-            raise _TrialFailed(str(exc)) from None
+            import optuna
+
+            raise optuna.TrialPruned(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - any run failure is recorded, the study goes on
             self._record(trial, FAILED, f"{type(exc).__name__}: {exc}", timing)
             raise _TrialFailed(str(exc)) from None

@@ -24,6 +24,7 @@ from . import tune as T
 from .errors import InputError
 
 MAX_ROWS = 30
+MAX_FAILURE_LINES = 5
 
 
 def fmt_value(name: str, value: Any) -> str:
@@ -64,6 +65,7 @@ class Display:
         self.enabled = enabled
         self.console = console
         self.reported: set[int] | None = None
+        self.failures = 0
         self.progress = Progress(
             SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
             MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
@@ -116,16 +118,23 @@ class Display:
             if t.number in self.reported or not t.state.is_finished():
                 continue
             self.reported.add(t.number)
-            if t.state != TrialState.FAIL:
-                continue
             outcome = t.user_attrs.get("outcome")
             reason = t.user_attrs.get("reason", "")
+            if t.state == TrialState.COMPLETE or outcome == T.ABORTED:
+                continue
             if outcome in T.COUNTED_FAILURES:
-                self.console.print(f"[yellow]trial {t.number} {outcome}:[/yellow] {reason}",
-                                   highlight=False, soft_wrap=True)
-            elif outcome != T.ABORTED:
+                self.failures += 1
+                if self.failures <= MAX_FAILURE_LINES:
+                    self.console.print(f"[yellow]trial {t.number} {outcome}:[/yellow] {reason}",
+                                       highlight=False, soft_wrap=True)
+                if self.failures == MAX_FAILURE_LINES:
+                    self.console.print("[dim](further invalid or failed trials are only "
+                                       "counted; each keeps its reason as a user attribute)"
+                                       "[/dim]", highlight=False)
+            elif t.state == TrialState.FAIL:
                 why = reason or "its worker stopped sending heartbeats"
-                self.console.print(f"[dim]trial {t.number} lost ({why}); re-queued[/dim]",
+                self.console.print(f"[dim]trial {t.number} lost ({why}); it does not count "
+                                   "towards --trials[/dim]",
                                    highlight=False, soft_wrap=True)
 
 
@@ -180,6 +189,20 @@ def pareto_table(plan: T.Plan, summary: T.Summary) -> Table:
     return table
 
 
+def _print_wide(console: Console, table: Table) -> None:
+    """A file or pipe gets the whole table, not one squeezed into 80 columns."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    width = console.measure(table, options=console.options.update_width(240)).maximum
+    saved = console.width
+    console.width = max(saved, width)
+    try:
+        console.print(table)
+    finally:
+        console.width = saved
+
+
 def _counts_line(plan: T.Plan, summary: T.Summary) -> str:
     c = summary.tally
     parts = [f"{c.complete} complete"
@@ -201,27 +224,27 @@ def dashboard_command(url: str) -> str:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM (kill, a scheduler's stop) ends a tune like Ctrl-C: trials kept."""
+def _signals_as_interrupt():
+    """Ctrl-C and SIGTERM (kill, a scheduler's stop) end a tune cleanly, trials kept; a second
+    one while the interrupted trial is being recorded is ignored."""
     try:
-        previous = signal.signal(signal.SIGTERM, T._interrupt_once)
-    except ValueError:  # not the main thread (tests)
+        previous = [(sig, signal.signal(sig, T._interrupt_once))
+                    for sig in (signal.SIGINT, signal.SIGTERM)]
+    except ValueError:  # not the main thread
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig, handler in previous:
+            signal.signal(sig, handler)
 
 
 def tune_command(job: T.TuneJob, *, workers: int, export_best: Path | None,
                  plots: Path | None, quiet: bool, out: Console, err: Console) -> int:
     """`kvbench tune`: run the study, show it, export; returns the exit code."""
     plan = T.prepare(job)
-    if workers > 1 and plan.storage_url.rstrip("/") in ("sqlite:", "sqlite:/", "sqlite://") \
-            or ":memory:" in plan.storage_url and workers > 1:
+    if workers > 1 and T.is_in_memory(plan.storage_url):
         raise InputError("--workers: an in-memory storage cannot be shared; give --storage")
     storage = T.open_storage(plan)
     study, notes = T.create_study(plan, storage)
@@ -243,10 +266,9 @@ def tune_command(job: T.TuneJob, *, workers: int, export_best: Path | None,
                       f"--trials by up to {workers - 1}")
     code = 0
     display = Display(err, plan, enabled=not quiet)
-    with display:
+    with display, _signals_as_interrupt():
         if workers == 1:
-            with _sigterm_as_interrupt():
-                status = T.run_worker(plan, 0, storage=storage, on_update=display.update)
+            status = T.run_worker(plan, 0, storage=storage, on_update=display.update)
             interrupted = status == "interrupted"
         else:
             result = T.run_workers(
@@ -266,7 +288,9 @@ def tune_command(job: T.TuneJob, *, workers: int, export_best: Path | None,
         out.print(f"study {plan.study_name!r} ({url}): {summary.tally.finished} of "
                   f"{plan.n_trials} trials: {_counts_line(plan, summary)}", highlight=False)
         if summary.pareto:
-            out.print(pareto_table(plan, summary))
+            table = pareto_table(plan, summary)
+            # A file or pipe gets the whole table, not one squeezed into 80 columns.
+            _print_wide(out, table)
         else:
             out.print("no feasible complete trial yet")
     if interrupted:

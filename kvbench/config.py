@@ -202,6 +202,13 @@ class CacheConfig(_Section):
         "keep_cached",
         description="Fate of sliding-window blocks that fall out of window: keep cached or drop.",
     )
+    window_memory_split: Literal["window", "layers"] = Field(
+        "window",
+        description="How the GPU budget is split between the pools of full-attention and"
+        " sliding-window layers: window = by layers x min(window, mean request context)"
+        " (TensorRT-LLM); layers = by layers only. No pool gets less than the largest request"
+        " needs.",
+    )
 
     @field_validator("max_tokens")
     @classmethod

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .cache.manager import CacheSpec, KVCacheManager
-from .cache.windows import (WindowedCacheManager, life_cycles, prefill_blocks_bound,
-                            split_gpu_blocks)
+from .cache.windows import (LifeCycle, WindowedCacheManager, life_cycles,
+                            prefill_blocks_bound, split_gpu_blocks)
 from .config import Workload, resolve_path
 from .engine.cache_mode import replay_cache_mode, replay_cache_mode_windowed
 from .engine.clock import StepClock, hardware_from_config
@@ -82,10 +82,17 @@ def _where(wl: Workload) -> str:
 
 def _check_supported(wl: Workload) -> None:
     unsupported = []
-    if wl.run.mode == "serve" and wl.run.backend != "none":
-        unsupported.append(f"run.backend: {wl.run.backend} with run.mode: serve")
     if wl.run.mode == "serve" and _windowed(wl):
-        unsupported.append("model.attention_window with run.mode: serve")
+        # The serve data plane reads one pool's page tables; a deferred chunk kept for a
+        # later step may compute a different range than its scratch slots were chosen for.
+        if wl.run.backend != "none":
+            unsupported.append(f"model.attention_window with run.mode: serve and run.backend: "
+                               f"{wl.run.backend}")
+        s = wl.scheduler
+        if (wl.cache.swa_scratch_reuse and not s.revert_deferred_ctx
+                and (s.batch_wait_timeout_iters or s.batch_wait_max_tokens_ratio)):
+            unsupported.append("cache.swa_scratch_reuse with delay batching in run.mode: serve"
+                               " unless scheduler.revert_deferred_ctx")
     if unsupported:
         raise InputError(
             f"{_where(wl)}: not supported by this kvbench build: {', '.join(unsupported)}")
@@ -134,17 +141,23 @@ def windowed_manager(wl: Workload, requests: list[Request], *,
                      emit_copy_ops: bool = False) -> WindowedCacheManager:
     """The pools of a model with sliding-window layers: one per life cycle, the GPU budget
     (`cache.max_tokens` tokens of the whole model, in bytes) split by
-    `cache.window_memory_split` against the mean prompt, no pool below what the longest
-    prompt needs in its one prefill step; each pool's host tier is `host_offload_ratio` of
-    its GPU blocks."""
+    `cache.window_memory_split` against the mean request context (the prompt in cache mode,
+    prompt and output in serve mode), no pool below what the longest request needs to run
+    alone; each pool's host tier is `host_offload_ratio` of its GPU blocks."""
     c, m = wl.cache, wl.model
     tpb = c.tokens_per_block
     cycles = life_cycles(m.layer_windows)
     per_layer = m.kv_bytes_per_token_per_layer
     slot_bytes = [tpb * cyc.num_layers * per_layer for cyc in cycles]
-    longest = max(r.input_length for r in requests)
-    mean = -(-sum(r.input_length for r in requests) // len(requests))
-    floors = [prefill_blocks_bound(cyc, tpb, longest, c.swa_scratch_reuse) for cyc in cycles]
+    if wl.run.mode == "serve":
+        lengths = [r.input_length + max(r.output_length - 1, 0) for r in requests]
+        floors = [_serve_blocks_bound(wl, cyc, max(lengths)) for cyc in cycles]
+    else:
+        lengths = [r.input_length for r in requests]
+        floors = [prefill_blocks_bound(cyc, tpb, max(lengths), c.swa_scratch_reuse)
+                  for cyc in cycles]
+    longest = max(lengths)
+    mean = -(-sum(lengths) // len(lengths))
     budget = c.max_tokens * m.num_layers * per_layer
     try:
         blocks = split_gpu_blocks(cycles, budget, slot_bytes, mean,
@@ -152,7 +165,7 @@ def windowed_manager(wl: Workload, requests: list[Request], *,
     except ValueError:
         need = sum(f * b for f, b in zip(floors, slot_bytes))
         raise InputError(
-            f"{_where(wl)}: cache.max_tokens: the longest prompt ({longest} tokens) needs "
+            f"{_where(wl)}: cache.max_tokens: the longest request ({longest} tokens) needs "
             f"{need} bytes of KV across the attention pools but the cache holds {budget}; "
             f"raise cache.max_tokens to at least {-(-need // (m.num_layers * per_layer))}"
         ) from None
@@ -165,6 +178,18 @@ def windowed_manager(wl: Workload, requests: list[Request], *,
     return WindowedCacheManager(
         cycles, specs, release_out_of_window=c.release_out_of_window,
         swa_scratch_reuse=c.swa_scratch_reuse, bytes_per_token_per_layer=per_layer)
+
+
+def _serve_blocks_bound(wl: Workload, cycle: LifeCycle, length: int) -> int:
+    """Blocks of `cycle` a serve run needs for a `length`-token request to run alone, given
+    that the scheduler charges every pool a chunk's blocks as for full attention: the whole
+    request without a window or without chunked prefill, else a chunk and two windows."""
+    tpb = wl.cache.tokens_per_block
+    blocks = -(-length // tpb)
+    if cycle.window is None or not wl.scheduler.enable_chunked_prefill:
+        return blocks
+    window = -(-(cycle.window - 1) // tpb) + 2
+    return min(blocks, -(-wl.scheduler.max_num_tokens // tpb) + 1 + 2 * window)
 
 
 def _run_one(
@@ -251,22 +276,14 @@ def _run_windowed(
         "hit_rate": result.reused_tokens / prompt,
         "ideal_hit_rate": ideal,
         "optimal_hit_rate": None,
-        "gpu_blocks_total": manager.gpu_blocks_total,
-        "gpu_bytes_total": manager.gpu_bytes_total,
-        "host_blocks_total": manager.host_blocks_total,
-        "peak_gpu_blocks": manager.peak_gpu_blocks,
-        "peak_host_blocks": manager.total("peak_host_blocks"),
-        "peak_gpu_bytes": manager.peak_gpu_bytes,
-        "scratch_slots_peak": manager.scratch_slots_peak,
-        "scratch_blocks": manager.scratch_blocks,
-        "reuse_fallbacks": manager.reuse_fallbacks,
-        "allocated_blocks": manager.total("allocated_blocks"),
-        "evicted_blocks": manager.total("evicted_blocks"),
-        "onboard_blocks": manager.total("onboard_blocks"),
-        "offload_blocks": manager.total("offload_blocks"),
-        "host_evicted_blocks": manager.total("host_evicted_blocks"),
-        "partial_copy_blocks": manager.total("partial_copy_blocks"),
-        "pools": manager.pool_metrics(),
+        "peak_host_blocks": manager.peak_host_blocks,
+        "allocated_blocks": manager.allocated_blocks,
+        "evicted_blocks": manager.evicted_blocks,
+        "onboard_blocks": manager.onboard_blocks,
+        "offload_blocks": manager.offload_blocks,
+        "host_evicted_blocks": manager.host_evicted_blocks,
+        "partial_copy_blocks": manager.partial_copy_blocks,
+        **manager.metrics(),
         "wall_s": wall,
         "verified": None,
         "max_abs_err": None,
@@ -279,17 +296,24 @@ def _run_windowed(
 def _run_serve(
     name: str, wl: Workload, requests: list[Request], progress: ProgressFactory | None
 ) -> RunOutcome:
-    spec = cache_spec(wl)
-    _check_serve_fits(wl, requests, spec.num_gpu_blocks)
+    windowed = windowed_manager(wl, requests) if _windowed(wl) else None
+    spec = cache_spec(wl, emit_copy_ops=wl.run.backend != "none")
+    if windowed is not None:
+        spec = windowed.managers[0].spec
+    _check_serve_fits(wl, requests, spec.num_gpu_blocks if windowed is None
+                      else windowed.gpu_blocks_total)
+    plane = _open_data_plane(wl, spec)
     t0 = time.perf_counter()
-    manager = KVCacheManager(spec)
+    manager = KVCacheManager(spec) if windowed is None else windowed
     sched = wl.scheduler
     advance = progress(name, len(requests)) if progress is not None else None
     result = run_serve(
         requests, manager, Scheduler(sched, spec.tokens_per_block),
         StepClock(wl.model, hardware_from_config(wl.hardware)),
         revert_deferred_ctx=sched.revert_deferred_ctx, batch_add=wl.cache.add_sequence == "batch",
-        block_bytes=block_bytes(wl), on_progress=advance)
+        block_bytes=block_bytes(wl) if windowed is None  # pools' mean slot with windows
+        else windowed.gpu_bytes_total // windowed.gpu_blocks_total,
+        data_plane=plane, on_progress=advance)
     ideal = _serve_ideal_hit_rate(requests, spec)
     wall = time.perf_counter() - t0
     for r in requests:
@@ -347,6 +371,12 @@ def _run_serve(
         "verified": None,
         "max_abs_err": None,
     }
+    if plane is not None:
+        # TTFT, TPOT and throughput come from the modeled clock, so the label stays; the
+        # kernel times a CUDA plane measured are reported beside them, not fed to the clock.
+        metrics.update(plane.metrics(), time_source="modeled")
+    if windowed is not None:
+        metrics.update(windowed.metrics())
     return RunOutcome(name, wl, metrics, result.timeline.to_json())
 
 

@@ -1,0 +1,632 @@
+"""Sliding-window attention: one block pool per attention life cycle, composed over
+single-life-cycle `KVCacheManager`s (DESIGN.md section 3, "Window" and "Scratch slots").
+
+A model whose layers attend over different spans has one *life cycle* per distinct window `W`
+plus one for full attention (`LifeCycle`). Each gets its own `KVCacheManager`: its own GPU pool
+(and host pool), free queue and prefix index, whose block (one *slot*) holds tokens_per_block
+tokens for every layer of that life cycle. A model with full attention only never comes here:
+the runner keeps the plain `KVCacheManager`, so that path stays exactly as fast as before.
+
+Window convention (pinned): a query at position `p` attends to the `W` most recent tokens,
+itself included, i.e. positions `[p - W + 1, p]` (FlashInfer `window_left = W - 1`). The first
+block a query at `p` needs is `max(0, p - W + 1) // tpb` (`LifeCycle.first_needed`); a block is
+out of window for a step when it lies before the first block the step's earliest query needs.
+
+What a request does here:
+
+- **Add.** Each life cycle finds the longest prefix it can serve: full attention, a prefix of
+  stored blocks; a window, any end `e` whose last `W - 1` tokens (the blocks a query at `e`
+  reads) are stored, earlier blocks being irrelevant (vLLM's sliding-window hit search,
+  right to left). A token is reusable only if every life cycle has its KV, so the usable
+  reuse is the minimum over life cycles (TensorRT-LLM PR #10875), iterated to a length every
+  life cycle can serve (a window's valid ends are not downward closed); then every pool
+  claims exactly that length. Positions a window does not need are `NO_BLOCK` placeholders.
+  If an onboard or partial copy then finds no GPU block in some pool (the only way a claim
+  can fall short) the request falls back to no reuse in every pool, rather than splicing
+  lengths that each pool could serve.
+- **Steps** (`begin_step` / `end_step`; cache mode has one per request, serve mode one per
+  chunk). `begin_step` allocates the blocks of the tokens the step computes. With
+  `swa_scratch_reuse`, the new blocks of a window life cycle that are already out of window
+  for the query after the step (position `end`) get no slot of their own: they share
+  `ceil(n / num_layers)` scratch slots, taken from the same pool (empty blocks first, like any
+  allocation), one layer-slice per block; a block's slice index is the same in every layer
+  because only the layer being computed uses it (TensorRT-LLM PR #13368). `end_step` commits
+  the computed blocks (scratch blocks are never stored), returns the scratch slots empty,
+  and releases the blocks no later query needs: `keep_cached` puts stored ones in the free
+  queue, reusable until evicted (vLLM), `drop` frees them empty
+  (`cache.release_out_of_window`).
+- **Memory.** `peak_gpu_blocks` is the most slots of all pools held at once, scratch included;
+  `peak_gpu_bytes` weighs each pool's slots by their size (its layers). GPU memory is split
+  between pools by `split_gpu_blocks`.
+
+Reference case (tested): 32 window layers, W = 128, tpb = 32, one 1024-token prompt. Without
+scratch the prefill holds all 32 blocks. With it, the query after the prompt (position 1024)
+reads positions 897..1024, so blocks 28..31 stay and blocks 0..27 go to
+ceil(28 / 32) = 1 scratch slot: 5 slots at peak. TensorRT-LLM's PR text says 27 + 5 slots
+(6) because it keeps `W + 1` tokens (positions 895..1023 for the last prompt query): one token
+wider than the window, which reaches back into block 27. kvbench counts the window as the
+attention kernel applies it (`window_left = W - 1`), so it holds one block less whenever `W`
+is a multiple of tpb.
+
+Page tables (`page_tables`) follow the data plane's layout: one tensor of `slots x layers`
+pages per pool, so block `b` of the pool's `i`-th layer is page `b * num_layers + i`; a scratch
+block is the one page `slot * num_layers + slice` in every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .ids import BlockId
+from .manager import NO_BLOCK, CacheSpec, KVCacheManager, Sequence
+
+if TYPE_CHECKING:
+    from ..traffic.request import Request
+
+SPLIT_POLICIES = ("window", "layers")
+"""How `split_gpu_blocks` divides GPU memory between life cycles: `window` (default, as
+TensorRT-LLM) in proportion to bytes per token x min(window, context) x layers, i.e. to the KV
+a typical request keeps in each; `layers` in proportion to bytes per token x layers, as if
+every layer kept its whole context (what a cache that ignores windows would give them)."""
+
+RELEASE_POLICIES = ("keep_cached", "drop")
+
+
+@dataclass(frozen=True, slots=True)
+class LifeCycle:
+    """Layers that share an attention span, and so a block pool."""
+
+    window: int | None
+    """Sliding window W in tokens (a query sees the W most recent, itself included);
+    None = full attention."""
+    layers: tuple[int, ...]
+    """Model layer indices, ascending."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def first_needed(self, position: int, tokens_per_block: int) -> int:
+        """The first block a query at `position` reads (0 for full attention)."""
+        if self.window is None:
+            return 0
+        return max(0, position - self.window + 1) // tokens_per_block
+
+
+def life_cycles(layer_windows: Seq[int | None]) -> tuple[LifeCycle, ...]:
+    """One life cycle per distinct window of `layer_windows` (one entry per model layer, as
+    `ModelConfig.layer_windows`): full attention first, then windows ascending."""
+    by_window: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        by_window.setdefault(window, []).append(layer)
+    order = sorted(by_window, key=lambda w: (w is not None, w or 0))
+    return tuple(LifeCycle(w, tuple(by_window[w])) for w in order)
+
+
+def split_gpu_blocks(
+    cycles: Seq[LifeCycle], budget_bytes: int, slot_bytes: Seq[int], context_tokens: int, *,
+    policy: str = "window", min_blocks: Seq[int] | None = None,
+) -> list[int]:
+    """GPU blocks per life cycle for a byte budget. Each pool gets a share of the budget in
+    proportion to its weight (`SPLIT_POLICIES`; `context_tokens` is the typical context a
+    window is compared with), except that no pool gets fewer than its `min_blocks` (what one
+    request needs to run at all): such pools are raised to their floor and the rest of the
+    budget is shared among the others in the same proportions. Raises ValueError when the
+    floors alone exceed the budget."""
+    if policy not in SPLIT_POLICIES:
+        raise ValueError(f"unknown split policy {policy!r}; expected one of {SPLIT_POLICIES}")
+    n = len(cycles)
+    floors = list(min_blocks) if min_blocks is not None else [1] * n
+    need = sum(f * b for f, b in zip(floors, slot_bytes))
+    if need > budget_bytes:
+        raise ValueError(f"the pools need {need} bytes at least, the budget is {budget_bytes}")
+    # Per-layer bytes per token are the same in every layer here, so they cancel out.
+    context = max(context_tokens, 1)
+    if policy == "window":
+        weights = [c.num_layers * (context if c.window is None else min(c.window, context))
+                   for c in cycles]
+    else:
+        weights = [c.num_layers for c in cycles]
+    fixed: dict[int, int] = {}
+    while True:
+        left = budget_bytes - sum(fixed[i] * slot_bytes[i] for i in fixed)
+        total = sum(weights[i] for i in range(n) if i not in fixed)
+        short = [i for i in range(n) if i not in fixed
+                 and left * weights[i] / total < floors[i] * slot_bytes[i]]
+        if not short:
+            break
+        for i in short:
+            fixed[i] = floors[i]
+    return [fixed[i] if i in fixed else int(left * weights[i] / total) // slot_bytes[i]
+            for i in range(n)]
+
+
+def prefill_blocks_bound(cycle: LifeCycle, tokens_per_block: int, num_tokens: int,
+                         scratch: bool) -> int:
+    """The most blocks of `cycle` one request holds while a single step computes its
+    `num_tokens`-token prompt, whatever it reuses: every block without scratch; with scratch,
+    the reused blocks its first query reads, the new in-window blocks and the scratch slots
+    of the rest (never more than one per block)."""
+    tpb = tokens_per_block
+    blocks = -(-num_tokens // tpb)
+    if not scratch or cycle.window is None:
+        return blocks
+    out_of_window = cycle.first_needed(num_tokens, tpb)
+    reused_window = -(-(cycle.window - 1) // tpb) + 1
+    return min(blocks, reused_window + (blocks - out_of_window)
+               + -(-out_of_window // cycle.num_layers))
+
+
+class WindowedSequence:
+    """One request's hold on every pool; tokens `[0, num_computed)` hold their KV (or are
+    out of window), `[num_computed, num_tokens)` are being computed by the current step."""
+
+    __slots__ = (
+        "request", "seqs", "low", "scratch", "scratch_pages", "num_computed", "num_tokens",
+        "reused_tokens", "reused_tokens_host", "reused_full_blocks", "partial_tokens",
+    )
+
+    def __init__(self, request: Request, seqs: list[Sequence], reused: int) -> None:
+        self.request = request
+        self.seqs = seqs
+        """Per pool, the life cycle's sequence (NO_BLOCK where it holds nothing)."""
+        self.low = [0] * len(seqs)
+        """Per pool, blocks before this one are released or were never claimed."""
+        self.scratch: list[Sequence | None] = [None] * len(seqs)
+        """Per pool, the current step's scratch slots (held as a block-only sequence)."""
+        self.scratch_pages: list[dict[int, int] | None] = [None] * len(seqs)
+        """Per pool, block index -> the page (in every layer) of each scratch block."""
+        self.num_computed = self.num_tokens = self.reused_tokens = reused
+        self.reused_tokens_host = max(s.reused_tokens_host for s in seqs)
+        self.reused_full_blocks = min(s.reused_full_blocks for s in seqs)
+        self.partial_tokens = max(s.partial_tokens for s in seqs)
+
+    @property
+    def blocks(self) -> list[BlockId]:
+        """The block positions the sequence spans (every pool spans the same ones; this is
+        the first pool's list, NO_BLOCK included): what a scheduler counts with."""
+        return self.seqs[0].blocks
+
+
+class WindowedCacheManager:
+    """Pools of several life cycles, kept in step for each request (see the module
+    docstring). Counters sum over pools; `managers[i]` serves `cycles[i]`."""
+
+    __slots__ = (
+        "cycles", "managers", "tpb", "keep_cached", "scratch_reuse", "slot_bytes",
+        "pool_of_layer", "num_layers", "peak_gpu_blocks", "peak_gpu_bytes",
+        "scratch_slots", "scratch_slots_peak", "scratch_blocks", "reuse_fallbacks",
+    )
+
+    def __init__(
+        self, cycles: Seq[LifeCycle], specs: Seq[CacheSpec], *,
+        release_out_of_window: str = "keep_cached", swa_scratch_reuse: bool = False,
+        bytes_per_token_per_layer: int = 1,
+    ) -> None:
+        if len(cycles) != len(specs) or not cycles:
+            raise ValueError("one CacheSpec per life cycle")
+        if len({s.tokens_per_block for s in specs}) != 1:
+            raise ValueError("every life cycle uses the same tokens_per_block")
+        if release_out_of_window not in RELEASE_POLICIES:
+            raise ValueError(f"release_out_of_window must be one of {RELEASE_POLICIES}")
+        self.cycles = tuple(cycles)
+        self.managers = [KVCacheManager(s) for s in specs]
+        self.tpb = specs[0].tokens_per_block
+        self.keep_cached = release_out_of_window == "keep_cached"
+        self.scratch_reuse = swa_scratch_reuse
+        self.slot_bytes = [self.tpb * c.num_layers * bytes_per_token_per_layer for c in cycles]
+        self.num_layers = sum(c.num_layers for c in cycles)
+        self.pool_of_layer = [0] * self.num_layers
+        """Model layer -> pool index (whose tensor a `page_tables` row indexes)."""
+        for i, c in enumerate(cycles):
+            for layer in c.layers:
+                self.pool_of_layer[layer] = i
+        if sorted(layer for c in cycles for layer in c.layers) != list(range(self.num_layers)):
+            raise ValueError("life cycles must cover layers 0..n-1 once each")
+        self.peak_gpu_blocks = 0
+        """Most slots of all pools held at once (scratch slots included)."""
+        self.peak_gpu_bytes = 0
+        self.scratch_slots = 0
+        """Scratch slots held now (all pools)."""
+        self.scratch_slots_peak = 0
+        self.scratch_blocks = 0
+        """Blocks served by scratch slots, over the run."""
+        self.reuse_fallbacks = 0
+        """Adds whose reuse fell back to none because some pool could not onboard its part."""
+
+    # --- adding a request -----------------------------------------------------------------
+
+    def match(self, request: Request) -> tuple[int, list[tuple[list[BlockId], tuple[BlockId, int]
+                                                                | None]]]:
+        """The reuse every life cycle can serve (the minimum over them, at an end each can
+        serve) and, per pool, the match that claims exactly it; claims nothing."""
+        n = len(self.managers)
+        cap = request.input_length - 1
+        if not self.managers[0].spec.enable_block_reuse or cap <= 0:
+            return 0, [([], None) for _ in range(n)]  # each sequence owns its list
+        # Round robin, full attention first (its prefix walk is the cheap bound), each pool
+        # searching below the lowest end so far, until all of them serve the same end.
+        matches: list = [None] * n
+        agree = i = 0
+        while agree < n:
+            end, matches[i] = self._best_end(i, request, cap)
+            agree = agree + 1 if end == cap else 1
+            cap = end
+            i = (i + 1) % n
+        return cap, matches
+
+    def estimate_reuse(self, request: Request) -> int:
+        """Tokens a sequence added now would reuse, assuming its onboards and copies get
+        their GPU blocks."""
+        return self.match(request)[0]
+
+    def add_sequence(self, request: Request) -> WindowedSequence:
+        """Match, claim and onboard in every pool (the sequential path)."""
+        return self.add_sequences([request])[0]
+
+    def add_sequences(self, requests: list[Request]) -> list[WindowedSequence]:
+        """The two-phase batched add over all pools: claim every request's common match
+        (phase 1), then onboard (phase 2)."""
+        claimed = []
+        for r in requests:
+            reuse, matches = self.match(r)
+            seqs = [m.claim_match(r, full, partial)
+                    for m, (full, partial) in zip(self.managers, matches)]
+            claimed.append((r, reuse, seqs))
+        for i, m in enumerate(self.managers):
+            m.onboard([seqs[i] for _, _, seqs in claimed])
+        self._note_peak()
+        out = []
+        for r, reuse, seqs in claimed:
+            if any(s.reused_tokens != reuse for s in seqs):
+                seqs = self._without_reuse(r, seqs)
+                reuse = 0
+            wseq = WindowedSequence(r, seqs, reuse)
+            for i, c in enumerate(self.cycles):
+                if c.window is not None:
+                    wseq.low[i] = c.first_needed(reuse, self.tpb)
+            out.append(wseq)
+        return out
+
+    # --- steps ----------------------------------------------------------------------------
+
+    def step_blocks(self, wseq: WindowedSequence, end: int) -> list[int]:
+        """Per pool, the free GPU blocks `begin_step(wseq, end)` would take (new blocks,
+        scratch slots included)."""
+        tpb = self.tpb
+        n_end = -(-end // tpb)
+        need = []
+        for i, c in enumerate(self.cycles):
+            held = len(wseq.seqs[i].blocks)
+            new = max(0, n_end - held)
+            scratch = self._scratch_count(i, held, end)
+            need.append(new - scratch + -(-scratch // c.num_layers))
+        return need
+
+    def begin_step(self, wseq: WindowedSequence, end: int) -> bool:
+        """Give `wseq` what a step computing tokens `[num_computed, end)` needs in every pool:
+        blocks for the new tokens, out-of-window new blocks in scratch slots. Returns False,
+        taking nothing, when some pool cannot supply its part."""
+        if end < wseq.num_tokens:
+            raise ValueError("a step cannot end before the tokens already allocated")
+        need = self.step_blocks(wseq, end)
+        if any(n > m.gpu.num_free for n, m in zip(need, self.managers)):
+            return False
+        tpb = self.tpb
+        for i, (c, m) in enumerate(zip(self.cycles, self.managers)):
+            seq = wseq.seqs[i]
+            held = len(seq.blocks)
+            n = self._scratch_count(i, held, end)
+            if n:
+                slots = -(-n // c.num_layers)
+                scr = m.claim_match(wseq.request, [], None)
+                m.resize(scr, slots * tpb)
+                m.skip_blocks(seq, n)
+                nl = c.num_layers
+                wseq.scratch[i] = scr
+                wseq.scratch_pages[i] = {held + k: scr.blocks[k // nl] * nl + k % nl
+                                         for k in range(n)}
+                self.scratch_slots += slots
+                self.scratch_blocks += n
+            m.resize(seq, end)
+        wseq.num_tokens = end
+        if self.scratch_slots > self.scratch_slots_peak:
+            self.scratch_slots_peak = self.scratch_slots
+        self._note_peak()
+        return True
+
+    def end_step(self, wseq: WindowedSequence, end: int | None = None) -> None:
+        """The step's tokens, up to `end` (default: all it allocated), hold their KV: commit
+        them (scratch blocks are not stored), return the scratch slots, and release the blocks
+        no query after the step needs."""
+        if end is None:
+            end = wseq.num_tokens
+        elif end > wseq.num_tokens:
+            raise ValueError("cannot commit tokens that have no block")
+        elif end != wseq.num_tokens and any(wseq.scratch):
+            # Its scratch range was chosen for the allocated end: blocks a later query reads
+            # would have been computed into scratch pages.
+            raise ValueError("a step with scratch slots must end where it was allocated")
+        tpb = self.tpb
+        for i, (c, m) in enumerate(zip(self.cycles, self.managers)):
+            seq = wseq.seqs[i]
+            m.commit(seq, end)
+            scr = wseq.scratch[i]
+            if scr is not None:
+                self.scratch_slots -= len(scr.blocks)
+                m.release(scr)
+                wseq.scratch[i] = wseq.scratch_pages[i] = None
+            if c.window is not None:
+                self._release_below(wseq, i, c.first_needed(end, tpb))
+        wseq.num_computed = max(wseq.num_computed, end)
+
+    def release(self, wseq: WindowedSequence) -> None:
+        """Drop the request's hold on every pool (as `KVCacheManager.release`)."""
+        for i, m in enumerate(self.managers):
+            scr = wseq.scratch[i]
+            if scr is not None:
+                self.scratch_slots -= len(scr.blocks)
+                m.release(scr)
+                wseq.scratch[i] = wseq.scratch_pages[i] = None
+            m.release(wseq.seqs[i])
+
+    # --- the KVCacheManager interface a serve loop drives -----------------------------------
+    #
+    # A serve step maps onto the calls above as follows, so the serve loop and its scheduler
+    # run unchanged on a WindowedCacheManager: `resize(seq, end)` before a chunk (or a
+    # decode block) is `begin_step`, choosing the chunk's scratch range for `end`;
+    # `commit(seq, n)` after it is `end_step`, returning scratch slots and releasing what the
+    # next query (at `n`) does not read. Decode commits at block boundaries, so a decoding
+    # request releases its out-of-window blocks up to tokens_per_block - 1 steps late.
+    # Admission is conservative: `gpu.num_free` is the tightest pool's, and `estimate_add`
+    # draws the most any pool would, against a need counted as for full attention.
+
+    def resize(self, wseq: WindowedSequence, num_tokens: int) -> bool:
+        """`begin_step` to `num_tokens` (nothing to do when already allocated)."""
+        if num_tokens <= wseq.num_tokens:
+            return True
+        return self.begin_step(wseq, num_tokens)
+
+    def commit(self, wseq: WindowedSequence, num_computed: int) -> None:
+        """`end_step` at `num_computed`."""
+        self.end_step(wseq, num_computed)
+
+    def shrink(self, wseq: WindowedSequence, num_tokens: int) -> int:
+        """Undo `begin_step` down to `num_tokens` before anything past them is computed (the
+        revert of a deferred context request). Returns the slots given up (all pools)."""
+        if num_tokens < wseq.num_computed:
+            raise ValueError("cannot shrink below the computed tokens")
+        freed = 0
+        for i, m in enumerate(self.managers):
+            scr = wseq.scratch[i]
+            if scr is not None:
+                freed += len(scr.blocks)
+                self.scratch_slots -= len(scr.blocks)
+                m.release(scr)
+                wseq.scratch[i] = wseq.scratch_pages[i] = None
+            freed += m.shrink(wseq.seqs[i], num_tokens)
+        wseq.num_tokens = min(wseq.num_tokens, num_tokens)
+        return freed
+
+    def estimate_add(self, request: Request) -> tuple[int, int, int]:
+        """As `KVCacheManager.estimate_add`: the common reuse, the positions it covers, and
+        the most free GPU blocks any pool's claims would take."""
+        reuse, matches = self.match(request)
+        draw = 0
+        for m, (full, partial) in zip(self.managers, matches):
+            g, ref = m.gpu.capacity, m.ref_count
+            n = sum(1 for b in full if b != NO_BLOCK and (b >= g or not ref[b]))
+            draw = max(draw, n + (partial is not None))
+        positions = len(matches[0][0]) + (matches[0][1] is not None)
+        return reuse, positions, draw
+
+    @property
+    def gpu(self) -> _Pools:
+        return _Pools(self.managers, self.peak_gpu_blocks)
+
+    # --- page tables ----------------------------------------------------------------------
+
+    def page_tables(self, wseq: WindowedSequence) -> np.ndarray:
+        """`[model layer, block index]` -> page in that layer's pool tensor (the pool is
+        `pool_of_layer[layer]`), -1 where the block has no page (out of window, never
+        claimed). Block `b` of a pool's `i`-th layer is page `b * num_layers + i`; a scratch
+        block has its slot's slice, the same page in every layer."""
+        n = -(-wseq.num_tokens // self.tpb)
+        out = np.full((self.num_layers, n), -1, dtype=np.int64)
+        for i, c in enumerate(self.cycles):
+            blocks = np.asarray(wseq.seqs[i].blocks[:n], dtype=np.int64)
+            real = blocks != NO_BLOCK
+            cols = np.flatnonzero(real)
+            nl = c.num_layers
+            for local, layer in enumerate(c.layers):
+                out[layer, cols] = blocks[real] * nl + local
+            pages = wseq.scratch_pages[i]
+            if pages:
+                idx = np.fromiter(pages.keys(), np.int64, len(pages))
+                pg = np.fromiter(pages.values(), np.int64, len(pages))
+                out[np.array(c.layers)[:, None], idx[None, :]] = pg[None, :]
+        return out
+
+    def step_view(self, wseq: WindowedSequence, pool: int, start: int
+                  ) -> tuple[int, list[BlockId], dict[int, int] | None]:
+        """What the data plane's `StepItem` needs for pool `pool` in a step computing from
+        `start`: the first block its queries read, the sequence's blocks from there (NO_BLOCK
+        where a scratch page serves), and the scratch pages by block index."""
+        first = self.cycles[pool].first_needed(start, self.tpb)
+        return first, wseq.seqs[pool].blocks[first:], wseq.scratch_pages[pool]
+
+    # --- counters -------------------------------------------------------------------------
+
+    @property
+    def gpu_blocks_total(self) -> int:
+        return sum(m.gpu.capacity for m in self.managers)
+
+    @property
+    def host_blocks_total(self) -> int:
+        return sum(m.host.capacity if m.host is not None else 0 for m in self.managers)
+
+    @property
+    def gpu_bytes_total(self) -> int:
+        return sum(m.gpu.capacity * b for m, b in zip(self.managers, self.slot_bytes))
+
+    def total(self, counter: str) -> int:
+        """A `KVCacheManager` counter (`evicted_blocks`, `onboard_blocks`, ...) summed over
+        pools."""
+        return sum(getattr(m, counter) for m in self.managers)
+
+    # The counters under `KVCacheManager`'s names, summed over pools, so engine code reads
+    # either manager alike.
+    allocated_blocks = property(lambda self: self.total("allocated_blocks"))
+    evicted_blocks = property(lambda self: self.total("evicted_blocks"))
+    onboard_blocks = property(lambda self: self.total("onboard_blocks"))
+    offload_blocks = property(lambda self: self.total("offload_blocks"))
+    host_evicted_blocks = property(lambda self: self.total("host_evicted_blocks"))
+    partial_copy_blocks = property(lambda self: self.total("partial_copy_blocks"))
+    peak_host_blocks = property(lambda self: self.total("peak_host_blocks"))
+    """Sum of each pool's peak (an upper bound on the host blocks held at once)."""
+
+    def metrics(self) -> dict:
+        """Memory metrics with several pools (`peak_gpu_blocks` counts slots of all pools,
+        `peak_gpu_bytes` weighs them by size), scratch use, and per pool (`pools`)."""
+        return {
+            "gpu_blocks_total": self.gpu_blocks_total,
+            "gpu_bytes_total": self.gpu_bytes_total,
+            "host_blocks_total": self.host_blocks_total,
+            "peak_gpu_blocks": self.peak_gpu_blocks,
+            "peak_gpu_bytes": self.peak_gpu_bytes,
+            "scratch_slots_peak": self.scratch_slots_peak,
+            "scratch_blocks": self.scratch_blocks,
+            "reuse_fallbacks": self.reuse_fallbacks,
+            "pools": self.pool_metrics(),
+        }
+
+    def pool_metrics(self) -> dict[str, dict]:
+        """Per pool (named `full` or `window_W`): its layers, slot size, blocks total and
+        peak (the pool's own peak; their sum may exceed `peak_gpu_blocks`)."""
+        return {
+            (f"window_{c.window}" if c.window is not None else "full"): {
+                "layers": c.num_layers,
+                "slot_bytes": b,
+                "gpu_blocks_total": m.gpu.capacity,
+                "peak_gpu_blocks": m.gpu.peak_in_use,
+                "host_blocks_total": m.host.capacity if m.host is not None else 0,
+                "evicted_blocks": m.evicted_blocks,
+            }
+            for c, m, b in zip(self.cycles, self.managers, self.slot_bytes)
+        }
+
+    def enable_sanity_tracking(self) -> None:
+        for m in self.managers:
+            m.enable_sanity_tracking()
+
+    def _check_sanity(self) -> bool:
+        assert all(m._check_sanity() for m in self.managers)
+        assert self.scratch_slots >= 0
+        return True
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _best_end(self, i: int, request: Request, cap: int
+                  ) -> tuple[int, tuple[list[BlockId], tuple[BlockId, int] | None]]:
+        """The longest reuse `<= cap` pool `i` can serve and the match that serves it."""
+        m, c, tpb = self.managers[i], self.cycles[i], self.tpb
+        if c.window is None:
+            full, partial = m.match_capped(request, cap)
+            return len(full) * tpb + (partial[1] if partial else 0), (full, partial)
+        # Right to left (vLLM): an end is served when the blocks its first query reads are
+        # all stored. A missing block k rules out every end whose window covers it, so the
+        # next candidate ends at block k, and each key is looked up once. An end inside
+        # block j (a partial match there) reads from a later block than the end at j's
+        # start, so it may be served when that one is not: a window kept for a prompt that
+        # ended mid-block (the same prompt continued, with `drop` or scratch) looks so.
+        keys = request.block_keys(tpb)
+        by_key = m.index.by_key
+        back = c.window - 1  # a query at e reads from e - back (`first_needed`, inlined)
+        j = min(cap // tpb, len(keys))
+        while True:
+            k = j - 1
+            lowest = max(0, j * tpb - back) // tpb
+            while k >= lowest and keys[k] in by_key:
+                k -= 1
+            room = min(cap - j * tpb, tpb - 1)  # tokens a partial match at block j may add
+            n = 0
+            if room > 0 and k < max(0, j * tpb + room - back) // tpb:
+                _, partial = m.match_capped(request, j * tpb + room, j)
+                if partial is not None and k < max(0, j * tpb + partial[1] - back) // tpb:
+                    n = partial[1]
+            if k < lowest or n:
+                break
+            j = k
+        end = j * tpb + n
+        full, partial = m.match_capped(request, end, c.first_needed(end, tpb))
+        if len(full) != j:  # the blocks were just found, so only a bug can lose them
+            raise AssertionError("window match lost its blocks")
+        return end, (full, partial)
+
+    def _without_reuse(self, request: Request, seqs: list[Sequence]) -> list[Sequence]:
+        self.reuse_fallbacks += 1
+        out = []
+        for m, seq in zip(self.managers, seqs):
+            m.release(seq)
+            fresh = m.claim_match(request, [], None)
+            m.onboard([fresh])
+            out.append(fresh)
+        return out
+
+    def _scratch_count(self, i: int, held: int, end: int) -> int:
+        """New blocks of pool `i` (from index `held`) that a step ending at `end` computes
+        and no later query reads: those scratch slots serve, when scratch reuse is on."""
+        c = self.cycles[i]
+        if not self.scratch_reuse or c.window is None:
+            return 0
+        return max(0, c.first_needed(end, self.tpb) - held)
+
+    def _release_below(self, wseq: WindowedSequence, i: int, first: int) -> None:
+        low = wseq.low[i]
+        if first > low:
+            self.managers[i].release_blocks(wseq.seqs[i], low, first, self.keep_cached)
+            wseq.low[i] = first
+
+    def _note_peak(self) -> None:
+        blocks = nbytes = 0
+        for m, b in zip(self.managers, self.slot_bytes):
+            n = m.gpu.num_in_use
+            blocks += n
+            nbytes += n * b
+        if blocks > self.peak_gpu_blocks:
+            self.peak_gpu_blocks = blocks
+        if nbytes > self.peak_gpu_bytes:
+            self.peak_gpu_bytes = nbytes
+
+
+class _Pools:
+    """What a serve loop and its scheduler read of `KVCacheManager.gpu`, over all pools:
+    the tightest pool's free blocks (admission), slots in use, cached and empty summed
+    (timeline), and the run's peak of slots held at once."""
+
+    __slots__ = ("managers", "peak_in_use")
+
+    def __init__(self, managers: list[KVCacheManager], peak: int) -> None:
+        self.managers = managers
+        self.peak_in_use = peak
+
+    @property
+    def num_free(self) -> int:
+        return min(m.gpu.num_free for m in self.managers)
+
+    @property
+    def num_in_use(self) -> int:
+        return sum(m.gpu.num_in_use for m in self.managers)
+
+    @property
+    def num_cached(self) -> int:
+        return sum(m.gpu.num_cached for m in self.managers)
+
+    @property
+    def empty(self) -> range:
+        """Sized as the pools' empty blocks together (only its length means anything)."""
+        return range(sum(len(m.gpu.empty) for m in self.managers))

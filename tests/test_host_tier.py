@@ -72,7 +72,7 @@ def _scenario(add_path: str):
         replay(mgr, shadow, req(tokens))
         assert mgr._check_sanity()
     assert not mgr.gpu.empty
-    host_keys = {mgr.index.key_of[b] for b in range(4, 6)}
+    host_keys = {mgr.index.key_of(b) for b in range(4, 6)}
     a, b = req([1, 2, 0]), req([3, 4, 0])
     assert host_keys == {a.block_keys(2)[0], b.block_keys(2)[0]}
     estimates = [mgr.estimate_reuse(a), mgr.estimate_reuse(b)]

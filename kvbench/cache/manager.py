@@ -218,7 +218,7 @@ class KVCacheManager:
         valuable), the rest become empty."""
         self._untrack(seq)
         self._store_tail(seq)
-        ref, prio, source = self.ref_count, self.priority, self.index.source
+        ref, prio, source = self.ref_count, self.priority, self.index.stored
         empty = self.gpu.empty
         level = seq.request.priority
         cached: list[BlockId] = []
@@ -272,7 +272,7 @@ class KVCacheManager:
         if seq.holes:
             extra = [b for b in extra if b != NO_BLOCK]
         seq.num_tokens = min(seq.num_tokens, num_tokens)
-        ref, source, pool = self.ref_count, self.index.source, self.gpu
+        ref, source, pool = self.ref_count, self.index.stored, self.gpu
         for b in reversed(extra):
             r = ref[b] - 1
             ref[b] = r
@@ -366,7 +366,7 @@ class KVCacheManager:
             if r:
                 continue
             freed += 1
-            if index.source[b] is None:
+            if index.stored[b] is None:
                 empty.append(b)
             elif keep_cached:
                 prio[b] = level
@@ -443,7 +443,7 @@ class KVCacheManager:
     def _move_to_gpu(self, b: BlockId, dst: BlockId) -> BlockId:
         """Onboard claimed host block `b` into fresh GPU block `dst`, which inherits every claim
         on `b`; the host slot becomes empty and is handed out next (TensorRT-LLM #18868)."""
-        self._emit(CopyKind.ONBOARD, Tier.HOST, b, Tier.GPU, dst, self.index.num_tokens[b])
+        self._emit(CopyKind.ONBOARD, Tier.HOST, b, Tier.GPU, dst, self.index.num_tokens(b))
         self.index.move(b, dst)
         self.onboard_blocks += 1
         self._moved[b] = dst
@@ -566,7 +566,7 @@ class KVCacheManager:
             num_tokens = index.num_tokens
             for v, h in zip(victims, slots):
                 self.copy_ops.append(CopyOp(CopyKind.OFFLOAD, Tier.GPU, v, Tier.HOST, h,
-                                            num_tokens[v]))
+                                            num_tokens(v)))
         index.move_many(victims, slots)
         fq = host.free_queue
         # In eviction order, one run per priority level (usually a single run).
@@ -595,7 +595,7 @@ class KVCacheManager:
         if not n or self.index.kids is None or seq.num_computed > seq.request.input_length:
             return
         b = seq.blocks[i]
-        if b == NO_BLOCK or self.ref_count[b] > 1 or self.index.source[b] is not None:
+        if b == NO_BLOCK or self.ref_count[b] > 1 or self.index.stored[b] is not None:
             return
         request = seq.request
         parent = seq.keys[i - 1] if i else request.root_key

@@ -34,36 +34,44 @@ if TYPE_CHECKING:
 # one pass over the blocks, so it runs about once per this many rounds of the whole cache.
 _REBUILD_FACTOR = 8
 
+# Fields of a stored block's record.
+_KEY, _PARENT, _NTOK, _SOURCE, _POSITION, _FIRST = range(6)
+_Record = tuple  # (key | None, parent key, tokens held, source request, position, first token)
+
 _ByFirst = dict[int, "BlockId | list[BlockId]"]
 _Kids = dict[BlockKey, "BlockId | _ByFirst"]
 
 
 class PrefixIndex:
-    """Keys and token sources of the stored blocks of one life cycle (all tiers)."""
+    """Keys and token sources of the stored blocks of one life cycle (all tiers).
 
-    __slots__ = (
-        "tpb", "by_key", "kids", "key_of", "parent_of", "first_of", "num_tokens", "source",
-        "position", "_rebuild_at",
-    )
+    What a stored block holds is one immutable record, `stored[b] = (key, parent key, tokens,
+    source request, position, first token)` (key None for a partial block; the record None for
+    a block that stores nothing). One record rather than an array per field: a store is one
+    tuple, and an offload or onboard (millions in a replay with a host tier) moves the record
+    to the new block instead of copying six fields."""
+
+    __slots__ = ("tpb", "by_key", "kids", "stored", "_rebuild_at")
 
     def __init__(self, tokens_per_block: int, id_space: int, track_children: bool) -> None:
         self.tpb = tokens_per_block
         self.by_key: dict[BlockKey, BlockId] = {}
         self.kids: _Kids | None = {} if track_children else None
         self._rebuild_at = _REBUILD_FACTOR * id_space + 1024
-        self.key_of: list[BlockKey | None] = [None] * id_space
-        self.parent_of: list[BlockKey] = [BlockKey(0)] * id_space
-        self.first_of = [0] * id_space
-        self.num_tokens = [0] * id_space
-        # Where the block's tokens come from: a request (None = not stored) and the block's
-        # position in it. Two arrays rather than a tuple per block: millions of stores.
-        self.source: list[Request | None] = [None] * id_space
-        self.position = [0] * id_space
+        self.stored: list[_Record | None] = [None] * id_space
 
     # --- public API -----------------------------------------------------------------------
 
     def is_stored(self, block: BlockId) -> bool:
-        return self.source[block] is not None
+        return self.stored[block] is not None
+
+    def key_of(self, block: BlockId) -> BlockKey | None:
+        rec = self.stored[block]
+        return rec[_KEY] if rec is not None else None
+
+    def num_tokens(self, block: BlockId) -> int:
+        """Tokens a stored block holds (tokens_per_block unless partial)."""
+        return self.stored[block][_NTOK]
 
     def walk(self, keys: list[BlockKey], limit: int) -> list[BlockId]:
         """Blocks of the longest stored prefix of `keys[:limit]`."""
@@ -90,14 +98,15 @@ class PrefixIndex:
         candidates = self._kids_of(parent_key, request.first_tokens(self.tpb)[position])
         if not candidates:
             return None
-        start = position * self.tpb
+        tpb = self.tpb
+        start = position * tpb
         ours = request.prompt_tokens(start, start + limit)
         best: tuple[BlockId, int] | None = None
         best_ok = False
         for b in candidates:
-            src_req, src_pos = self.source[b], self.position[b]
-            n = min(limit, self.num_tokens[b])
-            theirs = src_req.prompt_tokens(src_pos * self.tpb, src_pos * self.tpb + n)
+            _, _, held, src_req, src_pos, _ = self.stored[b]
+            n = min(limit, held)
+            theirs = src_req.prompt_tokens(src_pos * tpb, src_pos * tpb + n)
             diff = np.flatnonzero(ours[:n] != theirs)
             common = int(diff[0]) if len(diff) else n
             if best is None or common > best[1]:
@@ -109,7 +118,7 @@ class PrefixIndex:
         return best
 
     def has_children(self, block: BlockId) -> bool:
-        key = self.key_of[block]
+        key = self.key_of(block)
         if key is None or self.kids is None:
             return False
         entry = self.kids.get(key)
@@ -127,35 +136,33 @@ class PrefixIndex:
         """Store `blocks[i]` under `keys[i]` for i in [begin, end), a chain below `parent_key`.
         A key already held by another block is skipped: that duplicate stays private to its
         sequence and is dropped when released."""
-        by_key, key_of, parent_of, num_tokens, source, position = (
-            self.by_key, self.key_of, self.parent_of, self.num_tokens, self.source, self.position)
-        tpb = self.tpb
-        kids = self.kids
-        if kids is not None:
-            firsts, first_of = request.first_tokens(tpb), self.first_of
-            add_kid = self._add_kid
+        by_key, stored, tpb, kids = self.by_key, self.stored, self.tpb, self.kids
+        if kids is None:
+            for i in range(begin, end):
+                key = keys[i]
+                if key not in by_key:
+                    b = blocks[i]
+                    by_key[key] = b
+                    stored[b] = (key, parent_key, tpb, request, i, 0)
+                parent_key = key
+            return
+        firsts = request.first_tokens(tpb)
+        add_kid = self._add_kid
         for i in range(begin, end):
             key = keys[i]
-            b = blocks[i]
             if key not in by_key:
+                b = blocks[i]
                 by_key[key] = b
-                key_of[b] = key
-                parent_of[b] = parent_key
-                num_tokens[b] = tpb
-                source[b] = request
-                position[b] = i
-                if kids is not None:
-                    # The common case inline (this loop runs per stored block): a node whose
-                    # only entry is stale or absent.
-                    old = kids.get(parent_key)
-                    if old is None or (old.__class__ is int
-                                       and (old == b or source[old] is None)):
-                        first_of[b] = firsts[i]
-                        kids[parent_key] = b
-                    else:
-                        add_kid(parent_key, firsts[i], b)
+                stored[b] = (key, parent_key, tpb, request, i, firsts[i])
+                # The common case inline (this loop runs per stored block): a node whose
+                # only entry is stale or absent.
+                old = kids.get(parent_key)
+                if old is None or (old.__class__ is int and (old == b or stored[old] is None)):
+                    kids[parent_key] = b
+                else:
+                    add_kid(parent_key, firsts[i], b)
             parent_key = key
-        if kids is not None and len(kids) > self._rebuild_at:
+        if len(kids) > self._rebuild_at:
             self._rebuild_kids()
 
     def insert_partial(
@@ -163,30 +170,25 @@ class PrefixIndex:
     ) -> None:
         """Store an unfilled block (no key) for partial matching."""
         assert self.kids is not None
-        self.key_of[block] = None
-        self.parent_of[block] = parent_key
-        self.num_tokens[block] = num_tokens
-        self.source[block] = request
-        self.position[block] = position
-        self._add_kid(parent_key, request.first_tokens(self.tpb)[position], block)
+        first = request.first_tokens(self.tpb)[position]
+        self.stored[block] = (None, parent_key, num_tokens, request, position, first)
+        self._add_kid(parent_key, first, block)
         if len(self.kids) > self._rebuild_at:
             self._rebuild_kids()
 
     def remove(self, block: BlockId) -> None:
-        key = self.key_of[block]
+        key = self.stored[block][_KEY]
         if key is not None:
             del self.by_key[key]
-            self.key_of[block] = None
-        self.source[block] = None  # any `kids` entry for it is now stale
+        self.stored[block] = None  # any `kids` entry for it is now stale
 
     def remove_many(self, blocks: list[BlockId]) -> None:
-        by_key, key_of, source = self.by_key, self.key_of, self.source
+        by_key, stored = self.by_key, self.stored
         for b in blocks:
-            key = key_of[b]
+            key = stored[b][_KEY]
             if key is not None:
                 del by_key[key]
-                key_of[b] = None
-            source[b] = None
+            stored[b] = None
 
     def move(self, src: BlockId, dst: BlockId) -> None:
         """The data of `src` now lives in `dst` (an offload or an onboard): same key, parent,
@@ -195,34 +197,31 @@ class PrefixIndex:
 
     def move_many(self, srcs: list[BlockId], dsts: list[BlockId]) -> None:
         """`move` for pairs of blocks; an offload moves one per evicted block."""
-        by_key, key_of, parent_of, num_tokens, source, position, first_of = (
-            self.by_key, self.key_of, self.parent_of, self.num_tokens, self.source,
-            self.position, self.first_of)
-        kids = self.kids
+        by_key, stored, kids = self.by_key, self.stored, self.kids
         for src, dst in zip(srcs, dsts):
-            key = key_of[src]
+            rec = stored[src]
+            stored[dst] = rec
+            stored[src] = None
+            key = rec[_KEY]
             if key is not None:
                 by_key[key] = dst
-                key_of[src] = None
-            key_of[dst] = key
-            parent = parent_of[dst] = parent_of[src]
-            num_tokens[dst] = num_tokens[src]
-            source[dst] = source[src]
-            position[dst] = position[src]
-            source[src] = None
             if kids is not None:
-                first = first_of[dst] = first_of[src]
+                parent = rec[_PARENT]
                 if kids.get(parent) == src:  # the common single child: swap in place
                     kids[parent] = dst
                 else:
-                    self._add_kid(parent, first, dst)
+                    self._add_kid(parent, rec[_FIRST], dst)
         if kids is not None and len(self.kids) > self._rebuild_at:
             self._rebuild_kids()
 
     # --- helpers --------------------------------------------------------------------------
 
     def _is_kid(self, block: BlockId, parent_key: BlockKey) -> bool:
-        return self.source[block] is not None and self.parent_of[block] == parent_key
+        rec = self.stored[block]
+        return rec is not None and rec[_PARENT] == parent_key
+
+    def _first_of(self, block: BlockId) -> int:
+        return self.stored[block][_FIRST]
 
     def _kids_of(self, parent_key: BlockKey, first: int) -> list[BlockId]:
         entry = self.kids.get(parent_key)
@@ -232,10 +231,9 @@ class PrefixIndex:
         if found is None:
             return []
         blocks = found if isinstance(found, list) else (found,)
-        return [b for b in blocks if self._is_kid(b, parent_key) and self.first_of[b] == first]
+        return [b for b in blocks if self._is_kid(b, parent_key) and self._first_of(b) == first]
 
     def _add_kid(self, parent_key: BlockKey, first: int, block: BlockId) -> None:
-        self.first_of[block] = first
         kids = self.kids
         entry = kids.get(parent_key)
         # `block` may already be filed here from an earlier store (stale, but live again now
@@ -246,32 +244,33 @@ class PrefixIndex:
             kids[parent_key] = block
         else:
             if not isinstance(entry, dict):
-                entry = kids[parent_key] = {self.first_of[entry]: entry}
+                entry = kids[parent_key] = {self._first_of(entry): entry}
             found = entry.get(first)
             if found is None:
                 entry[first] = block
             else:
                 live = [b for b in (found if isinstance(found, list) else (found,))
                         if b != block and self._is_kid(b, parent_key)
-                        and self.first_of[b] == first]
+                        and self._first_of(b) == first]
                 entry[first] = live + [block] if live else block
 
     def _rebuild_kids(self) -> None:
         """Drop stale entries: refile every stored block under its parent."""
         self.kids = {}
-        live = [b for b, src in enumerate(self.source) if src is not None]
-        for b in live:
-            self._file_kid(b)
-        self._rebuild_at = _REBUILD_FACTOR * max(len(self.source), len(self.kids)) + 1024
+        for b, rec in enumerate(self.stored):
+            if rec is not None:
+                self._file_kid(b)
+        self._rebuild_at = _REBUILD_FACTOR * max(len(self.stored), len(self.kids)) + 1024
 
     def _file_kid(self, b: BlockId) -> None:
-        parent_key, first = self.parent_of[b], self.first_of[b]
+        rec = self.stored[b]
+        parent_key, first = rec[_PARENT], rec[_FIRST]
         entry = self.kids.get(parent_key)
         if entry is None:
             self.kids[parent_key] = b
             return
         if not isinstance(entry, dict):
-            entry = self.kids[parent_key] = {self.first_of[entry]: entry}
+            entry = self.kids[parent_key] = {self._first_of(entry): entry}
         found = entry.get(first)
         if found is None:
             entry[first] = b
@@ -282,11 +281,15 @@ class PrefixIndex:
 
     def _check_sanity(self) -> bool:
         for key, b in self.by_key.items():
-            assert self.key_of[b] == key and self.source[b] is not None
-        if self.kids is not None:
-            # Every stored block is findable under its parent and first token.
-            for b, src in enumerate(self.source):
-                if src is not None:
-                    assert self._kids_of(self.parent_of[b], self.first_of[b]).count(b) == 1
-                    assert src.first_tokens(self.tpb)[self.position[b]] == self.first_of[b]
+            assert self.key_of(b) == key
+        for b, rec in enumerate(self.stored):
+            if rec is None:
+                continue
+            key, parent, held, src, pos, first = rec
+            assert key is None or self.by_key[key] == b
+            assert 0 < held <= self.tpb and (key is None or held == self.tpb)
+            if self.kids is not None:
+                # Every stored block is findable under its parent and first token.
+                assert self._kids_of(parent, first).count(b) == 1
+                assert src.first_tokens(self.tpb)[pos] == first
         return True

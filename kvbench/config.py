@@ -333,6 +333,17 @@ def _check_dotted_key(key: str) -> str:
     return key
 
 
+def key_annotation(key: str) -> Any:
+    """The type annotation of a dotted workload key (already checked to exist), `X | None`
+    unwrapped to `X`."""
+    model: type[BaseModel] | None = Workload
+    annotation: Any = None
+    for part in key.split("."):
+        annotation = _unwrap_optional(model.model_fields[part].annotation)
+        model = _as_model(annotation)
+    return annotation
+
+
 def _unwrap_optional(annotation: Any) -> Any:
     if get_origin(annotation) in (Union, types.UnionType):
         members = [a for a in get_args(annotation) if a is not type(None)]

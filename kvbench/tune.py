@@ -42,13 +42,13 @@ import socket
 import sys
 import threading
 import time
-import types
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_origin
 
-from .config import Constraint, SpaceEntry, TuneConfig, Workload, load_workload, resolve_path
+from .config import (Constraint, SpaceEntry, TuneConfig, Workload, key_annotation, load_workload,
+                     resolve_path)
 from .errors import InputError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -173,27 +173,6 @@ def _at(wl: Workload, path: tuple, message: str) -> InputError:
     return InputError(f"{location}: {dotted}: {message}" if location else f"{dotted}: {message}")
 
 
-def _field_annotation(key: str) -> Any:
-    """The type annotation of a dotted workload key (already checked to exist)."""
-    from pydantic import BaseModel
-
-    model: Any = Workload
-    annotation: Any = None
-    for part in key.split("."):
-        annotation = _unwrap_optional(model.model_fields[part].annotation)
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) \
-            else None
-    return annotation
-
-
-def _unwrap_optional(annotation: Any) -> Any:
-    if get_origin(annotation) in (Union, types.UnionType):
-        members = [a for a in get_args(annotation) if a is not type(None)]
-        if len(members) == 1:
-            return members[0]
-    return annotation
-
-
 def _is_scalar(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
@@ -209,7 +188,7 @@ def _param(wl: Workload, key: str, entry: SpaceEntry) -> Param:
         raise _at(wl, where, f"{key.split('.')[0]} cannot be tuned")
     if entry.choices is not None:
         return Param(key, "categorical", entry, encoded=not all(map(_is_scalar, entry.choices)))
-    annotation = _field_annotation(key)
+    annotation = key_annotation(key)
     bounds = [v for v in (entry.low, entry.high, entry.step) if v is not None]
     if annotation is bool or annotation is str or get_origin(annotation) in (Literal, list, dict):
         raise _at(wl, where, f"{key} is not numeric; expected choices: [...]")

@@ -12,7 +12,7 @@ from .cache.manager import CacheSpec, KVCacheManager
 from .cache.windows import (LifeCycle, WindowedCacheManager, life_cycles,
                             prefill_blocks_bound, split_gpu_blocks)
 from .config import Workload, resolve_path
-from .engine.cache_mode import replay_cache_mode, replay_cache_mode_windowed
+from .engine.cache_mode import replay_cache_mode
 from .engine.clock import StepClock, hardware_from_config
 from .engine.scheduler import Scheduler
 from .engine.serve import run_serve
@@ -83,11 +83,8 @@ def _where(wl: Workload) -> str:
 def _check_supported(wl: Workload) -> None:
     unsupported = []
     if wl.run.mode == "serve" and _windowed(wl):
-        # The serve data plane reads one pool's page tables; a deferred chunk kept for a
-        # later step may compute a different range than its scratch slots were chosen for.
-        if wl.run.backend != "none":
-            unsupported.append(f"model.attention_window with run.mode: serve and run.backend: "
-                               f"{wl.run.backend}")
+        # A deferred chunk kept for a later step may compute a different range than its
+        # scratch slots were chosen for.
         s = wl.scheduler
         if (wl.cache.swa_scratch_reuse and not s.revert_deferred_ctx
                 and (s.batch_wait_timeout_iters or s.batch_wait_max_tokens_ratio)):
@@ -257,7 +254,7 @@ def _run_windowed(
     plane = _open_data_plane(wl, spec, manager)
     t0 = time.perf_counter()
     advance = progress(name, len(requests)) if progress is not None else None
-    result = replay_cache_mode_windowed(requests, manager, advance, data_plane=plane)
+    result = replay_cache_mode(requests, manager, advance, data_plane=plane)
     ideal = reference_hit_rates(
         requests, spec.tokens_per_block, None, partial_reuse=spec.enable_partial_reuse,
         block_reuse=spec.enable_block_reuse).ideal_hit_rate
@@ -296,13 +293,14 @@ def _run_windowed(
 def _run_serve(
     name: str, wl: Workload, requests: list[Request], progress: ProgressFactory | None
 ) -> RunOutcome:
-    windowed = windowed_manager(wl, requests) if _windowed(wl) else None
+    windowed = (windowed_manager(wl, requests, emit_copy_ops=wl.run.backend != "none")
+                if _windowed(wl) else None)
     spec = cache_spec(wl, emit_copy_ops=wl.run.backend != "none")
     if windowed is not None:
         spec = windowed.managers[0].spec
     _check_serve_fits(wl, requests, spec.num_gpu_blocks if windowed is None
                       else windowed.gpu_blocks_total)
-    plane = _open_data_plane(wl, spec)
+    plane = _open_data_plane(wl, spec, windowed)
     t0 = time.perf_counter()
     manager = KVCacheManager(spec) if windowed is None else windowed
     sched = wl.scheduler

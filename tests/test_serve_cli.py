@@ -96,7 +96,6 @@ def test_mooncake_serve_prefix(tmp_path, capsys):
     (["scheduler.enable_chunked_prefill=false", "scheduler.max_num_tokens=1000"],
      "scheduler.max_num_tokens: request"),
     (["scheduler.max_num_tokens=16", "scheduler.max_batch_size=8"], "below one chunk"),
-    (["run.backend=torch"], "not supported by this kvbench build: run.backend: torch with"),
 ])
 def test_bad_serve_input_is_one_line_exit_2(overrides, message, capsys):
     sets = [a for o in overrides + ["requests.synthetic.num_requests=20"] for a in ("--set", o)]

@@ -23,7 +23,7 @@ class CacheModeResult:
 
 
 def replay_cache_mode(
-    requests: Sequence[Request], manager: KVCacheManager,
+    requests: Sequence[Request], manager: KVCacheManager | WindowedCacheManager,
     on_progress: Callable[[int], None] | None = None, progress_every: int = 256,
     data_plane=None,
 ) -> CacheModeResult:
@@ -31,21 +31,30 @@ def replay_cache_mode(
     mark it computed, release. Raises ValueError if a request cannot get its blocks (the caller
     checks sizes first, so this means a bug, not bad input). With a `data_plane`
     (`kvbench.kernels.dataplane.DataPlane`; the manager must emit copy ops) each request is one
-    data-plane step that computes the prompt past its reused prefix."""
+    data-plane step that computes the prompt past its reused prefix.
+
+    A `WindowedCacheManager` (sliding-window layers) runs the same loop: its `resize` begins
+    the request's one prefill step over every pool (out-of-window prompt blocks go to scratch
+    slots when that is on), its `commit` ends it, and `gpu` sums the pools for the timeline;
+    so `in_use` is read before the commit, while the step's scratch slots are held."""
     timeline = Timeline("request", ("reused_tokens", "prompt_tokens", "in_use", "cached", "free"))
     cols = timeline.columns
     c_reused, c_prompt, c_in_use, c_cached, c_free = (
         cols["reused_tokens"], cols["prompt_tokens"], cols["in_use"], cols["cached"], cols["free"])
     pool = manager.gpu
+    plane_step = None
+    if data_plane is not None:
+        plane_step = (_windowed_data_plane_step if isinstance(manager, WindowedCacheManager)
+                      else _data_plane_step)
     prompt = reused = host = full = partial = 0
     for i, r in enumerate(requests):
         seq = manager.add_sequence(r)
         if not manager.resize(seq, r.input_length):
             raise ValueError(f"request {r.id} does not fit in the cache")
-        if data_plane is not None:
-            _data_plane_step(data_plane, manager, r, seq)
-        manager.commit(seq, r.input_length)
+        if plane_step is not None:
+            plane_step(data_plane, manager, r, seq)
         in_use = pool.num_in_use
+        manager.commit(seq, r.input_length)
         manager.release(seq)
         prompt += r.input_length
         reused += seq.reused_tokens
@@ -69,47 +78,6 @@ def _data_plane_step(data_plane, manager: KVCacheManager, r: Request, seq: Cache
     manager.copy_ops.clear()
     data_plane.execute_step(
         ops, [StepItem(r.id, r.prompt_tokens(), seq.blocks, seq.num_computed, r.input_length)])
-
-
-def replay_cache_mode_windowed(
-    requests: Sequence[Request], manager: WindowedCacheManager,
-    on_progress: Callable[[int], None] | None = None, progress_every: int = 256,
-    data_plane=None,
-) -> CacheModeResult:
-    """`replay_cache_mode` for a model with sliding-window layers: each request is one
-    prefill step over every life cycle's pool (`WindowedCacheManager.begin_step` /
-    `end_step`), so out-of-window prompt blocks go to scratch slots when that is on. The
-    timeline's block counts sum the slots of all pools."""
-    timeline = Timeline("request", ("reused_tokens", "prompt_tokens", "in_use", "cached", "free"))
-    cols = timeline.columns
-    c_reused, c_prompt, c_in_use, c_cached, c_free = (
-        cols["reused_tokens"], cols["prompt_tokens"], cols["in_use"], cols["cached"], cols["free"])
-    pools = [m.gpu for m in manager.managers]
-    prompt = reused = host = full = partial = 0
-    for i, r in enumerate(requests):
-        seq = manager.add_sequence(r)
-        if not manager.begin_step(seq, r.input_length):
-            raise ValueError(f"request {r.id} does not fit in the cache")
-        if data_plane is not None:
-            _windowed_data_plane_step(data_plane, manager, r, seq)
-        in_use = sum(p.num_in_use for p in pools)
-        manager.end_step(seq)
-        manager.release(seq)
-        prompt += r.input_length
-        reused += seq.reused_tokens
-        host += seq.reused_tokens_host
-        full += seq.reused_full_blocks
-        partial += seq.partial_tokens
-        c_reused.append(seq.reused_tokens)
-        c_prompt.append(r.input_length)
-        c_in_use.append(in_use)
-        c_cached.append(sum(p.num_cached for p in pools))
-        c_free.append(sum(len(p.empty) for p in pools))
-        if on_progress is not None and i % progress_every == progress_every - 1:
-            on_progress(progress_every)
-    if on_progress is not None:
-        on_progress(len(requests) % progress_every)
-    return CacheModeResult(prompt, reused, host, full, partial, timeline)
 
 
 def _windowed_data_plane_step(data_plane, manager: WindowedCacheManager, r: Request,

@@ -17,9 +17,15 @@ where it needs a block or finishes, and runs of steps with no event, no context 
 arrival are advanced in one jump (the clock has their time in closed form). Such a run changes
 nothing but positions, so the jump is exactly the steps it stands for.
 
-Per-step records (`StepRecord`, one per jump too) go to an optional observer, so tests and a
-data plane can see which requests computed which tokens; the compact `Timeline` keeps one row
-per step or jump for plots.
+Per-step records (`StepRecord`, one per jump too) go to an optional observer, so tests can see
+which requests computed which tokens; the compact `Timeline` keeps one row per step or jump for
+plots.
+
+With a data plane (`kernels.dataplane.DataPlane`; the manager must emit copy ops) every step,
+after all adds and allocations and before any commit, runs the copy ops the step emitted and
+then the K/V writes and attention of every token it computes (context chunks of the placed
+requests, one token per decoder); deferred requests computed nothing and run nothing. Every
+step's attention must run, so there are no jumps then.
 """
 
 from __future__ import annotations
@@ -28,7 +34,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from heapq import heappop, heappush
 
+import numpy as np
+
 from ..cache.manager import KVCacheManager
+from ..cache.windows import WindowedCacheManager
+from ..kernels.step import StepItem, sequence_tokens
 from ..traffic.request import Request
 from .clock import StepClock
 from .scheduler import ContextWork, Phase, Scheduler, ServeRequest
@@ -125,13 +135,14 @@ class ServeLoop:
         "on_step", "on_progress", "tpb", "mnt", "waiting", "prefilling", "decoders", "dec_k",
         "events", "step", "now", "finished", "preemptions", "overflow_steps", "max_overshoot",
         "shortfall", "held_peak", "reverted", "wait_iterations", "alloc_failures",
-        "computed_tokens", "timeline", "block_bytes", "_moved", "_columns",
+        "computed_tokens", "timeline", "block_bytes", "data_plane", "_moved", "_columns",
+        "_tokens",
     )
 
     def __init__(
         self, requests: Sequence[Request], manager: KVCacheManager, scheduler: Scheduler,
         clock: StepClock, *, revert_deferred_ctx: bool = False, batch_add: bool = False,
-        block_bytes: int = 0, bulk_decode: bool = True,
+        block_bytes: int = 0, bulk_decode: bool = True, data_plane=None,
         on_step: Callable[[StepRecord], None] | None = None,
         on_progress: Callable[[int], None] | None = None,
     ) -> None:
@@ -141,7 +152,8 @@ class ServeLoop:
         self.clock = clock
         self.revert = revert_deferred_ctx
         self.batch_add = batch_add
-        self.bulk_decode = bulk_decode
+        self.bulk_decode = bulk_decode and data_plane is None
+        self.data_plane = data_plane
         self.on_step = on_step
         self.on_progress = on_progress
         self.tpb = manager.tpb
@@ -167,6 +179,9 @@ class ServeLoop:
         """Bytes one block moves over the host link (onboard or offload), for the clock."""
         self._moved = 0
         self._columns = tuple(self.timeline.columns[name] for name in TIMELINE_COLUMNS)
+        self._tokens: dict[int, np.ndarray] = {}
+        """Stream token ids of running requests for the data plane, built once per request
+        (a trace prompt's tokens are derived per position)."""
 
     def run(self) -> ServeResult:
         states, waiting = self.states, self.waiting
@@ -229,6 +244,8 @@ class ServeLoop:
             self._hold_or_revert(work)
             work, scheduled = [], num_gen
         tokens, dt = self._compute(work, num_gen)
+        if self.data_plane is not None:
+            self._execute(work)
         start_s = self.now
         self.now += dt
         if self.on_step is not None:
@@ -268,6 +285,41 @@ class ServeLoop:
         copy_bytes = (moved - self._moved) * self.block_bytes
         self._moved = moved
         return tokens, self.clock.step_seconds(tokens, pairs, kv, copy_bytes)
+
+    def _execute(self, work: list[ContextWork]) -> None:
+        """Run the step on the data plane, before anything it computes is committed. With
+        sliding windows, each sequence is one item per pool: the blocks from the first one its
+        queries read, and the step's scratch pages."""
+        mgr, step = self.manager, self.step
+        windowed = isinstance(mgr, WindowedCacheManager)
+        managers = mgr.managers if windowed else (mgr,)
+        ops = {}
+        for i, m in enumerate(managers):
+            if m.copy_ops:
+                ops[i] = list(m.copy_ops)
+                m.copy_ops.clear()
+        runs = [(w.req, w.start, w.end) for w in work]
+        for r in self.decoders.values():
+            pos = r.d_pos0 + step - r.d_step0
+            runs.append((r, pos, pos + 1))
+        items = []
+        for r, start, end in runs:
+            tokens = self._stream(r)
+            if not windowed:
+                items.append(StepItem(r.request.id, tokens, r.seq.blocks, start, end))
+                continue
+            for i in range(len(managers)):
+                first, blocks, scratch = mgr.step_view(r.seq, i, start)
+                items.append(StepItem(r.request.id, tokens, blocks, start, end, pool=i,
+                                      first_block=first, scratch=scratch))
+        if ops or items:
+            self.data_plane.execute_step(ops, items)
+
+    def _stream(self, r: ServeRequest) -> np.ndarray:
+        tokens = self._tokens.get(r.idx)
+        if tokens is None:
+            tokens = self._tokens[r.idx] = sequence_tokens(r.request, r.request.stream_length)
+        return tokens
 
     def _generation_phase(self, preempted: list[int]) -> list[ServeRequest]:
         """Give each decoder with an event now its next block; returns those finishing."""
@@ -471,6 +523,7 @@ class ServeLoop:
         r.version += 1
 
     def _release(self, r: ServeRequest) -> None:
+        self._tokens.pop(r.idx, None)
         self.manager.release(r.seq)
         r.seq = None
         r.phase = Phase.DONE

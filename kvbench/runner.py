@@ -13,7 +13,7 @@ from .cache.windows import (LifeCycle, WindowedCacheManager, life_cycles,
                             prefill_blocks_bound, split_gpu_blocks)
 from .config import Workload, resolve_path
 from .engine.cache_mode import replay_cache_mode
-from .engine.clock import StepClock, hardware_from_config
+from .engine.clock import HOST_LINK_EFFICIENCY, StepClock, hardware_from_config
 from .engine.scheduler import Scheduler
 from .engine.serve import run_serve
 from .errors import InputError
@@ -194,46 +194,34 @@ def _run_one(
 ) -> RunOutcome:
     if wl.run.mode == "serve":
         return _run_serve(name, wl, requests, progress)
-    if _windowed(wl):
-        return _run_windowed(name, wl, requests, progress)
-    spec = cache_spec(wl, emit_copy_ops=wl.run.backend != "none")
-    _check_fits(wl, requests, spec.num_gpu_blocks)
-    plane = _open_data_plane(wl, spec)
+    emit = wl.run.backend != "none"
+    windowed = windowed_manager(wl, requests, emit_copy_ops=emit) if _windowed(wl) else None
+    if windowed is None:
+        spec = cache_spec(wl, emit_copy_ops=emit)
+        _check_fits(wl, requests, spec.num_gpu_blocks)
+    else:
+        spec = windowed.managers[0].spec
+    plane = _open_data_plane(wl, spec, windowed)
     t0 = time.perf_counter()
-    manager = KVCacheManager(spec)
+    manager = KVCacheManager(spec) if windowed is None else windowed
     advance = progress(name, len(requests)) if progress is not None else None
     result = replay_cache_mode(requests, manager, advance, data_plane=plane)
     # With a host tier the optimum may keep blocks in either tier: one pool of both sizes.
+    # With windows it is null: the offline optimum is for one pool; the ideal is that of an
+    # unlimited cache that keeps every block (no scratch, nothing dropped).
     refs = reference_hit_rates(
-        requests, spec.tokens_per_block, spec.num_gpu_blocks + spec.num_host_blocks,
+        requests, spec.tokens_per_block,
+        spec.num_gpu_blocks + spec.num_host_blocks if windowed is None else None,
         partial_reuse=spec.enable_partial_reuse, block_reuse=spec.enable_block_reuse)
     wall = time.perf_counter() - t0
     for r in requests:
         r.drop_keys()
-    prompt = result.prompt_tokens
-    peak = manager.gpu.peak_in_use
     metrics = {
-        "requests": len(requests),
-        "prompt_tokens": prompt,
-        "reused_tokens": result.reused_tokens,
-        "reused_tokens_gpu": result.reused_tokens - result.reused_tokens_host,
-        "reused_tokens_host": result.reused_tokens_host,
+        **_cache_metrics(wl, manager, requests, result.reused_tokens, result.reused_tokens_host,
+                         result.reused_partial_tokens),
         "reused_full_blocks": result.reused_full_blocks,
-        "reused_partial_tokens": result.reused_partial_tokens,
-        "hit_rate": result.reused_tokens / prompt,
         "ideal_hit_rate": refs.ideal_hit_rate,
         "optimal_hit_rate": refs.optimal_hit_rate,
-        "gpu_blocks_total": spec.num_gpu_blocks,
-        "host_blocks_total": spec.num_host_blocks,
-        "peak_gpu_blocks": peak,
-        "peak_host_blocks": manager.peak_host_blocks,
-        "peak_gpu_bytes": peak * block_bytes(wl),
-        "allocated_blocks": manager.allocated_blocks,
-        "evicted_blocks": manager.evicted_blocks,
-        "onboard_blocks": manager.onboard_blocks,
-        "offload_blocks": manager.offload_blocks,
-        "host_evicted_blocks": manager.host_evicted_blocks,
-        "partial_copy_blocks": manager.partial_copy_blocks,
         "wall_s": wall,
         "verified": None,
         "max_abs_err": None,
@@ -243,51 +231,49 @@ def _run_one(
     return RunOutcome(name, wl, metrics, result.timeline.to_json())
 
 
-def _run_windowed(
-    name: str, wl: Workload, requests: list[Request], progress: ProgressFactory | None
-) -> RunOutcome:
-    """Cache mode over one pool per attention life cycle. `optimal_hit_rate` is null: the
-    offline optimum is for one pool; `ideal_hit_rate` is that of an unlimited cache that
-    keeps every block (no scratch, nothing dropped)."""
-    manager = windowed_manager(wl, requests, emit_copy_ops=wl.run.backend != "none")
-    spec = manager.managers[0].spec
-    plane = _open_data_plane(wl, spec, manager)
-    t0 = time.perf_counter()
-    advance = progress(name, len(requests)) if progress is not None else None
-    result = replay_cache_mode(requests, manager, advance, data_plane=plane)
-    ideal = reference_hit_rates(
-        requests, spec.tokens_per_block, None, partial_reuse=spec.enable_partial_reuse,
-        block_reuse=spec.enable_block_reuse).ideal_hit_rate
-    wall = time.perf_counter() - t0
-    for r in requests:
-        r.drop_keys()
-    prompt = result.prompt_tokens
-    metrics = {
+def _cache_metrics(
+    wl: Workload, manager: KVCacheManager | WindowedCacheManager, requests: list[Request],
+    reused: int, reused_host: int, reused_partial: int,
+) -> dict:
+    """Reuse, memory and host-traffic metrics of a run in either mode, with one pool or one
+    per attention life cycle. Host-link time is modeled: bytes over the hardware's host link
+    at the clock's efficiency (`engine/clock.py`)."""
+    prompt = sum(r.input_length for r in requests)
+    if isinstance(manager, WindowedCacheManager):
+        memory = manager.metrics()
+        pools = list(zip(manager.managers, manager.slot_bytes))
+    else:
+        peak = manager.gpu.peak_in_use
+        memory = {
+            "gpu_blocks_total": manager.spec.num_gpu_blocks,
+            "host_blocks_total": manager.spec.num_host_blocks,
+            "peak_gpu_blocks": peak,
+            "peak_gpu_bytes": peak * block_bytes(wl),
+        }
+        pools = [(manager, block_bytes(wl))]
+    onboard_bytes = sum(m.onboard_blocks * b for m, b in pools)
+    offload_bytes = sum(m.offload_blocks * b for m, b in pools)
+    link = hardware_from_config(wl.hardware).host_link_bandwidth * HOST_LINK_EFFICIENCY
+    return {
         "requests": len(requests),
         "prompt_tokens": prompt,
-        "reused_tokens": result.reused_tokens,
-        "reused_tokens_gpu": result.reused_tokens - result.reused_tokens_host,
-        "reused_tokens_host": result.reused_tokens_host,
-        "reused_full_blocks": result.reused_full_blocks,
-        "reused_partial_tokens": result.reused_partial_tokens,
-        "hit_rate": result.reused_tokens / prompt,
-        "ideal_hit_rate": ideal,
-        "optimal_hit_rate": None,
+        "reused_tokens": reused,
+        "reused_tokens_gpu": reused - reused_host,
+        "reused_tokens_host": reused_host,
+        "reused_partial_tokens": reused_partial,
+        "hit_rate": reused / prompt,
+        **memory,
         "peak_host_blocks": manager.peak_host_blocks,
         "allocated_blocks": manager.allocated_blocks,
         "evicted_blocks": manager.evicted_blocks,
         "onboard_blocks": manager.onboard_blocks,
         "offload_blocks": manager.offload_blocks,
+        "onboard_bytes": onboard_bytes,
+        "offload_bytes": offload_bytes,
+        "host_link_ms_modeled": (onboard_bytes + offload_bytes) / link * 1e3,
         "host_evicted_blocks": manager.host_evicted_blocks,
         "partial_copy_blocks": manager.partial_copy_blocks,
-        **manager.metrics(),
-        "wall_s": wall,
-        "verified": None,
-        "max_abs_err": None,
     }
-    if plane is not None:
-        metrics.update(plane.metrics())
-    return RunOutcome(name, wl, metrics, result.timeline.to_json())
 
 
 def _run_serve(
@@ -317,7 +303,6 @@ def _run_serve(
     for r in requests:
         r.drop_keys()
     states = result.requests
-    prompt = sum(r.input_length for r in requests)
     reused = sum(s.reused for s in states)
     reused_host = sum(s.reused_host for s in states)
     output = sum(r.output_length for r in requests)
@@ -326,28 +311,11 @@ def _run_serve(
     tpot = [(s.finish_s - s.first_token_s) * 1e3 / (s.request.output_length - 1)
             for s in states if s.request.output_length > 1]
     e2e = [(s.finish_s - s.request.arrival_s) * 1e3 for s in states]
-    peak = manager.gpu.peak_in_use
     metrics = {
-        "requests": len(requests),
-        "prompt_tokens": prompt,
-        "reused_tokens": reused,
-        "reused_tokens_gpu": reused - reused_host,
-        "reused_tokens_host": reused_host,
-        "reused_partial_tokens": sum(s.reused_partial for s in states),
-        "hit_rate": reused / prompt,
+        **_cache_metrics(wl, manager, requests, reused, reused_host,
+                         sum(s.reused_partial for s in states)),
         "ideal_hit_rate": ideal,
         "optimal_hit_rate": None,
-        "gpu_blocks_total": spec.num_gpu_blocks,
-        "host_blocks_total": spec.num_host_blocks,
-        "peak_gpu_blocks": peak,
-        "peak_host_blocks": manager.peak_host_blocks,
-        "peak_gpu_bytes": peak * block_bytes(wl),
-        "allocated_blocks": manager.allocated_blocks,
-        "evicted_blocks": manager.evicted_blocks,
-        "onboard_blocks": manager.onboard_blocks,
-        "offload_blocks": manager.offload_blocks,
-        "host_evicted_blocks": manager.host_evicted_blocks,
-        "partial_copy_blocks": manager.partial_copy_blocks,
         "iterations": result.iterations,
         "preemptions": result.preemptions,
         "output_tokens": output,
@@ -373,8 +341,6 @@ def _run_serve(
         # TTFT, TPOT and throughput come from the modeled clock, so the label stays; the
         # kernel times a CUDA plane measured are reported beside them, not fed to the clock.
         metrics.update(plane.metrics(), time_source="modeled")
-    if windowed is not None:
-        metrics.update(windowed.metrics())
     return RunOutcome(name, wl, metrics, result.timeline.to_json())
 
 

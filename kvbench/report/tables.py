@@ -64,6 +64,10 @@ SECTIONS: list[tuple[str, list[Row]]] = [
         ("partial_copy_blocks", "partial copies", _int),
         ("onboard_blocks", "onboarded blocks (host->GPU)", _int),
         ("offload_blocks", "offloaded blocks (GPU->host)", _int),
+        ("onboard_bytes", "onboarded bytes", _bytes),
+        ("offload_bytes", "offloaded bytes", _bytes),
+        ("host_link_ms_modeled", "host-link time (modeled)", lambda v: f"{v:,.1f} ms"),
+        ("host_evicted_blocks", "host blocks evicted", _int),
     ]),
     ("Serving", [
         ("iterations", "iterations", _int),

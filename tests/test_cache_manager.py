@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvbench.cache.ids import CopyKind, CopyOp, Tier
 from kvbench.cache.manager import CacheSpec, KVCacheManager
 from kvbench.traffic.request import Request
+from strategies import related_prompts
 
 _ids = iter(range(1 << 30))
 
@@ -399,21 +400,8 @@ class RefCache:
         return reused
 
 
-@st.composite
-def prompts(draw, max_requests=14, max_len=14):
-    vocab = draw(st.integers(2, 4))
-    n = draw(st.integers(1, max_requests))
-    out = []
-    for _ in range(n):
-        if out and draw(st.integers(0, 3)):
-            base = draw(st.sampled_from(out))
-            keep = draw(st.integers(0, len(base)))
-            tail = draw(st.lists(st.integers(0, vocab - 1), max_size=max(0, max_len - keep)))
-            p = base[:keep] + tail
-        else:
-            p = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=max_len))
-        out.append(p or [0])
-    return out
+def prompts(max_requests=14, max_len=14):
+    return related_prompts(max_requests, max_len)
 
 
 def as_trace_requests(token_prompts, block):

@@ -11,6 +11,7 @@ from kvbench.config import load_workload
 from kvbench.errors import InputError
 from kvbench.results import build_result
 from kvbench.runner import run_workload
+from cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,21 +40,7 @@ def result(tiny_yaml) -> dict:
     return build_result([run_workload(load_workload(tiny_yaml))])
 
 
-def main(args, capsys) -> tuple[int, str, str]:
-    """`kvbench ARGS` in-process: (exit code, stdout, stderr)."""
-    from kvbench import cli
-
-    old = sys.argv
-    sys.argv = ["kvbench", *map(str, args)]
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    finally:
-        sys.argv = old
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+main = run_cli
 
 
 def write(path: Path, data: dict) -> Path:

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbench.cache.ids import CopyKind, Tier
+from kvbench.cache.ids import CopyKind
 from kvbench.cache.manager import CacheSpec, KVCacheManager
 from kvbench.traffic.request import Request
 

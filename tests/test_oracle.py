@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from strategies import related_prompts
 from kvbench.cache.manager import CacheSpec, KVCacheManager
 from kvbench.oracle import _INF, _Occurrences, reference_hit_rates
 from kvbench.traffic import read_mooncake, trace_stats
@@ -88,18 +89,7 @@ def brute_optimal(requests, tpb, capacity) -> int:
 
 @st.composite
 def traces(draw, max_requests=10, max_len=12, namespaces=False):
-    vocab = draw(st.integers(2, 4))
-    n = draw(st.integers(1, max_requests))
-    out = []
-    for _ in range(n):
-        if out and draw(st.integers(0, 3)):
-            base = draw(st.sampled_from(out))
-            keep = draw(st.integers(0, len(base)))
-            tail = draw(st.lists(st.integers(0, vocab - 1), max_size=max(0, max_len - keep)))
-            p = base[:keep] + tail
-        else:
-            p = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=max_len))
-        out.append(p or [0])
+    out = draw(related_prompts(max_requests, max_len))
     ns = [draw(st.sampled_from([None, "a"])) if namespaces else None for _ in out]
     return [req(i, p, n) for i, (p, n) in enumerate(zip(out, ns))]
 

@@ -1,10 +1,10 @@
 """`kvbench run` in serve mode, as a user runs it: workloads, metrics, tables, bad input."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = ROOT / "workloads"
@@ -18,20 +18,7 @@ SERVE_METRICS = {
 }
 
 
-def kvbench(args, capsys) -> tuple[int, str, str]:
-    from kvbench import cli
-
-    old = sys.argv
-    sys.argv = ["kvbench", *map(str, args)]
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    finally:
-        sys.argv = old
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+kvbench = run_cli
 
 
 def run_json(args, tmp_path, capsys) -> dict:

@@ -206,9 +206,14 @@ class PrefixIndex:
             if key is not None:
                 by_key[key] = dst
             if kids is not None:
+                # Swap the entry in place where it is the block itself (an only child, or the
+                # only one with its first token under a busy node).
                 parent = rec[_PARENT]
-                if kids.get(parent) == src:  # the common single child: swap in place
+                entry = kids.get(parent)
+                if entry == src:
                     kids[parent] = dst
+                elif entry.__class__ is dict and entry.get(rec[_FIRST]) == src:
+                    entry[rec[_FIRST]] = dst
                 else:
                     self._add_kid(parent, rec[_FIRST], dst)
         if kids is not None and len(self.kids) > self._rebuild_at:

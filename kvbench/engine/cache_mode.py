@@ -37,7 +37,8 @@ def replay_cache_mode(
     the request's one prefill step over every pool (out-of-window prompt blocks go to scratch
     slots when that is on), its `commit` ends it, and `gpu` sums the pools for the timeline;
     so `in_use` is read before the commit, while the step's scratch slots are held."""
-    timeline = Timeline("request", ("reused_tokens", "prompt_tokens", "in_use", "cached", "free"))
+    timeline = Timeline("request", ("reused_tokens", "prompt_tokens", "in_use", "cached", "free"),
+                        sums=("reused_tokens", "prompt_tokens"))
     cols = timeline.columns
     c_reused, c_prompt, c_in_use, c_cached, c_free = (
         cols["reused_tokens"], cols["prompt_tokens"], cols["in_use"], cols["cached"], cols["free"])

@@ -45,9 +45,11 @@ from .scheduler import ContextWork, Phase, Scheduler, ServeRequest
 from .timeline import Timeline
 
 TIMELINE_COLUMNS = ("step", "steps", "time_us", "batch", "scheduled_tokens", "computed_tokens",
-                    "in_use", "cached", "free")
+                    "in_use", "cached", "free", "reused_tokens", "prompt_tokens")
 """Timeline columns: first step, steps the row stands for, start time, then per step: requests
-scheduled, tokens budgeted and computed, GPU blocks in use, cached and empty after the step."""
+scheduled, tokens budgeted and computed, GPU blocks in use, cached and empty after the step;
+then the reused and prompt tokens of the requests whose first chunk the row computed (for a
+rolling hit rate; summed when the timeline is thinned)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +137,8 @@ class ServeLoop:
         "on_step", "on_progress", "tpb", "mnt", "waiting", "prefilling", "decoders", "dec_k",
         "events", "step", "now", "finished", "preemptions", "overflow_steps", "max_overshoot",
         "shortfall", "held_peak", "reverted", "wait_iterations", "alloc_failures",
-        "computed_tokens", "timeline", "block_bytes", "data_plane", "_moved", "_columns",
+        "computed_tokens", "timeline", "block_bytes", "data_plane", "_moved", "_row_reused",
+        "_row_prompt", "_columns",
         "_tokens",
     )
 
@@ -174,10 +177,11 @@ class ServeLoop:
         self.preemptions = self.overflow_steps = self.max_overshoot = self.shortfall = 0
         self.held_peak = self.reverted = self.wait_iterations = self.alloc_failures = 0
         self.computed_tokens = 0
-        self.timeline = Timeline("step", TIMELINE_COLUMNS)
+        self.timeline = Timeline("step", TIMELINE_COLUMNS, sums=("reused_tokens", "prompt_tokens"))
         self.block_bytes = block_bytes
         """Bytes one block moves over the host link (onboard or offload), for the clock."""
         self._moved = 0
+        self._row_reused = self._row_prompt = 0
         self._columns = tuple(self.timeline.columns[name] for name in TIMELINE_COLUMNS)
         self._tokens: dict[int, np.ndarray] = {}
         """Stream token ids of running requests for the data plane, built once per request
@@ -416,6 +420,8 @@ class ServeLoop:
                 r.reused = seq.reused_tokens
                 r.reused_host = seq.reused_tokens_host
                 r.reused_partial = seq.partial_tokens
+                self._row_reused += r.reused
+                self._row_prompt += r.request.input_length
             if w.end < r.context_len:
                 continue
             self.prefilling.remove(r)
@@ -471,9 +477,11 @@ class ServeLoop:
              computed: int) -> None:
         pool = self.manager.gpu
         values = (step, steps, round(start_s * 1e6), batch, scheduled, computed,
-                  pool.num_in_use, pool.num_cached, len(pool.empty))
+                  pool.num_in_use, pool.num_cached, len(pool.empty), self._row_reused,
+                  self._row_prompt)
         for column, value in zip(self._columns, values):
             column.append(value)
+        self._row_reused = self._row_prompt = 0
 
     # --- request moves --------------------------------------------------------------------
 

@@ -88,7 +88,8 @@ def plot_hit_rate(run: MergedRun, path: Path) -> Path | None:
     ax = axes[0, 0]
     stride = run.timeline.get("stride", 1)
     unit = run.timeline.get("x", "point")
-    ax.plot(x[window - 1:], rolling, label=f"rolling (over {window * stride} {unit}s)")
+    ax.plot(x[window - 1:], rolling,
+            label=f"rolling (over {window * stride} {'row' if unit == 'step' else unit}s)")
     ax.plot(x, cumulative, label="cumulative", color="black")
     for key, style in (("optimal_hit_rate", ":"), ("ideal_hit_rate", "--")):
         value = run.metrics.get(key)
@@ -159,14 +160,19 @@ def _percent_formatter():
 
 
 def _x(timeline: dict) -> np.ndarray:
-    n = len(next(iter(timeline["columns"].values())))
+    """Where each row sits: its own `step` column when it has one (a serve-mode row may stand
+    for a run of decode steps), else its position times the thinning stride."""
+    cols = timeline["columns"]
+    if "step" in cols:
+        return np.asarray(cols["step"])
+    n = len(next(iter(cols.values())))
     return np.arange(n) * timeline.get("stride", 1)
 
 
 def _x_label(timeline: dict) -> str:
     stride = timeline.get("stride", 1)
     label = timeline.get("x", "")
-    return label + (f" (sampled every {stride})" if stride > 1 else "")
+    return label + (f" (one point per {stride} rows)" if stride > 1 else "")
 
 
 def _num(value) -> float | None:

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,8 +25,24 @@ def environment() -> dict:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
+        "device": _gpus() or "cpu",
         "argv": sys.argv[1:],
     }
+
+
+def _gpus() -> str | None:
+    """The GPU names nvidia-smi reports (measured timings compare only on the same device);
+    asked of the driver, not torch, so a metadata-only run stays torch-free."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [line.strip() for line in out.splitlines() if line.strip()]
+    return ", ".join(names) or None
 
 
 def workload_entry(outcomes: list[RunOutcome]) -> dict:

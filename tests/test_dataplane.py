@@ -113,12 +113,15 @@ def test_serve_like_steps_with_host_tier(batched):
     assert manager.onboard_blocks > 0 and manager.offload_blocks > 0
 
 
-def test_backend_none_never_imports_torch():
+@pytest.mark.parametrize("workload", ["verify-small.yaml", "verify-serve-small.yaml"])
+def test_backend_none_never_imports_torch(workload):
+    """Cache mode and serve mode alike: metadata-only runs stay torch-free."""
     code = (
         "import sys\n"
         "from kvbench.config import load_workload\n"
         "from kvbench.runner import run_workload\n"
-        f"wl = load_workload({str(VERIFY_SMALL)!r}, ['run.backend=none', 'variants=[]'])\n"
+        f"wl = load_workload({str(ROOT / 'workloads' / workload)!r}, "
+        "['run.backend=none', 'variants=[]'])\n"
         "m = run_workload(wl)[0].metrics\n"
         "assert m['verified'] is None, m\n"
         "assert 'torch' not in sys.modules\n"

@@ -137,35 +137,20 @@ class KVCacheManager:
 
     def match(self, request: Request) -> tuple[list[BlockId], tuple[BlockId, int] | None]:
         """The stored blocks (GPU or host) a new sequence of `request` would reuse now,
-        without claiming: full blocks, then at most one partially matching block with its
-        token count. Reuse stops one token short of the prompt, whose last token is always
-        computed."""
-        if not self.spec.enable_block_reuse:
-            return [], None
-        tpb = self.tpb
-        max_reuse = request.input_length - 1
-        keys = request.block_keys(tpb)
-        full = self.index.walk(keys, max_reuse // tpb)
-        partial = None
-        if self.index.kids is not None:
-            pos = len(full)
-            parent = keys[pos - 1] if full else request.root_key
-            partial = self.index.best_partial(
-                parent, request, pos, min(tpb, max_reuse - pos * tpb), self._claimable)
-        return full, partial
+        without claiming: full blocks, then at most one usable partially matching block with
+        its token count. Reuse stops one token short of the prompt, whose last token is
+        always computed."""
+        return self.match_capped(request, request.input_length - 1)
 
     def estimate_reuse(self, request: Request) -> int:
         """Tokens a sequence added now would reuse (what a scheduler budgets with), assuming
         onboards and partial copies get their GPU blocks."""
         full, partial = self.match(request)
-        reused = len(full) * self.tpb
-        if partial is not None and self._partial_usable(partial[0]):
-            reused += partial[1]
-        return reused
+        return len(full) * self.tpb + (partial[1] if partial is not None else 0)
 
     def add_sequence(self, request: Request) -> Sequence:
         """Match, claim and onboard the request's reusable prefix (the sequential path)."""
-        seq = self._claim_prefix(request)
+        seq = self.claim_match(request, *self.match(request))
         self._onboard(seq)
         self._moved.clear()
         return seq
@@ -173,7 +158,7 @@ class KVCacheManager:
     def add_sequences(self, requests: list[Request]) -> list[Sequence]:
         """The two-phase batched add: claim the matches of all `requests` (phase 1), then
         onboard each (phase 2). Phase 2 may evict only blocks no request of the batch matched."""
-        seqs = [self._claim_prefix(r) for r in requests]
+        seqs = [self.claim_match(r, *self.match(r)) for r in requests]
         for seq in seqs:
             self._onboard(seq)
         self._moved.clear()
@@ -218,28 +203,11 @@ class KVCacheManager:
         valuable), the rest become empty."""
         self._untrack(seq)
         self._store_tail(seq)
-        ref, prio, source = self.ref_count, self.priority, self.index.stored
-        empty = self.gpu.empty
-        level = seq.request.priority
-        cached: list[BlockId] = []
-        freed = 0
         blocks = seq.blocks
         if seq.holes:
             blocks = [b for b in blocks if b != NO_BLOCK]
             seq.holes = False
-        for b in reversed(blocks):
-            r = ref[b] - 1
-            ref[b] = r
-            if r:
-                continue
-            freed += 1
-            if source[b] is not None:
-                prio[b] = level
-                cached.append(b)
-            else:
-                empty.append(b)
-        self.gpu.free_queue.push_back_many(cached, level)
-        self.gpu.num_in_use -= freed
+        self._unhold(blocks, seq.request.priority)
         seq.blocks = []
 
     def estimate_add(self, request: Request) -> tuple[int, int, int]:
@@ -254,7 +222,7 @@ class KVCacheManager:
         for b in full:
             if b >= g or not ref[b]:
                 draw += 1
-        if partial is not None and self._partial_usable(partial[0]):
+        if partial is not None:
             reused += partial[1]
             blocks += 1
             draw += 1
@@ -272,17 +240,7 @@ class KVCacheManager:
         if seq.holes:
             extra = [b for b in extra if b != NO_BLOCK]
         seq.num_tokens = min(seq.num_tokens, num_tokens)
-        ref, source, pool = self.ref_count, self.index.stored, self.gpu
-        for b in reversed(extra):
-            r = ref[b] - 1
-            ref[b] = r
-            if r:
-                continue
-            pool.num_in_use -= 1
-            if source[b] is not None:
-                pool.free_queue.push_back(b, self.priority[b])
-            else:
-                pool.empty.append(b)
+        self._unhold(extra, seq.request.priority)
         return len(extra)
 
     def match_capped(
@@ -299,7 +257,7 @@ class KVCacheManager:
         tpb = self.tpb
         max_tokens = min(max_tokens, request.input_length - 1)
         keys = request.block_keys(tpb)
-        found = self.index.walk(keys[first_block:], max_tokens // tpb - first_block)
+        found = self.index.walk(keys, max_tokens // tpb, first_block)
         full = [NO_BLOCK] * first_block + found if first_block else found
         partial = None
         if self.index.kids is not None:
@@ -313,9 +271,10 @@ class KVCacheManager:
 
     def claim_match(self, request: Request, full: list[BlockId],
                     partial: tuple[BlockId, int] | None) -> Sequence:
-        """Phase 1 for a match the caller chose (from `match_capped`): a new sequence of
-        `request` holding `full` (leading NO_BLOCK entries are positions it does not need)
-        and the claimed `partial` block. `onboard` completes the add."""
+        """Phase 1 for a match (from `match` or `match_capped`): a new sequence of `request`
+        holding `full` (leading NO_BLOCK entries are positions it does not need) and the
+        claimed `partial` block, so no eviction can take them; nothing is allocated.
+        `onboard` completes the add."""
         seq = Sequence(request, request.block_keys(self.tpb))
         for b in full:
             if b != NO_BLOCK:
@@ -351,34 +310,14 @@ class KVCacheManager:
         until evicted), otherwise it is dropped from the index and becomes empty. Commit the
         sequence first, or its computed blocks are lost. Returns the GPU blocks freed."""
         blocks = seq.blocks
-        ref, prio, index = self.ref_count, self.priority, self.index
-        empty = self.gpu.empty
-        level = seq.request.priority
-        cached: list[BlockId] = []
-        freed = 0
-        for i in range(min(end, len(blocks)) - 1, begin - 1, -1):
-            b = blocks[i]
-            if b == NO_BLOCK:
-                continue
-            blocks[i] = NO_BLOCK
-            r = ref[b] - 1
-            ref[b] = r
-            if r:
-                continue
-            freed += 1
-            if index.stored[b] is None:
-                empty.append(b)
-            elif keep_cached:
-                prio[b] = level
-                cached.append(b)
-            else:
-                index.remove(b)
-                empty.append(b)
+        gone = []
+        for i in range(begin, min(end, len(blocks))):
+            if blocks[i] != NO_BLOCK:
+                gone.append(blocks[i])
+                blocks[i] = NO_BLOCK
         if end > begin:
             seq.holes = True
-        self.gpu.free_queue.push_back_many(cached, level)
-        self.gpu.num_in_use -= freed
-        return freed
+        return self._unhold(gone, seq.request.priority, keep_cached)
 
     def enable_sanity_tracking(self) -> None:
         """Track live sequences so `_check_sanity` can verify ref counts (tests only)."""
@@ -386,23 +325,36 @@ class KVCacheManager:
 
     # --- helpers --------------------------------------------------------------------------
 
+    def _unhold(self, blocks: list[BlockId], level: int, keep_cached: bool = True) -> int:
+        """Drop one hold on each of `blocks` (GPU blocks in sequence order). A block nobody
+        holds any more becomes free: a stored one joins the free queue at `level` (the deepest
+        first in line for eviction, as a request touches its blocks in order) unless
+        `keep_cached` is off, then it leaves the index; the rest become empty. Returns the
+        blocks freed."""
+        ref, prio, stored, index = self.ref_count, self.priority, self.index.stored, self.index
+        empty = self.gpu.empty
+        cached: list[BlockId] = []
+        freed = 0
+        for b in reversed(blocks):
+            r = ref[b] - 1
+            ref[b] = r
+            if r:
+                continue
+            freed += 1
+            if stored[b] is None:
+                empty.append(b)
+            elif keep_cached:
+                prio[b] = level
+                cached.append(b)
+            else:
+                index.remove(b)
+                empty.append(b)
+        self.gpu.free_queue.push_back_many(cached, level)
+        self.gpu.num_in_use -= freed
+        return freed
+
     def _pool(self, b: BlockId) -> BlockPool:
         return self.gpu if b < self.gpu.capacity else self.host
-
-    def _claim_prefix(self, request: Request) -> Sequence:
-        """Phase 1: hold every matched block (so no eviction can take it) and the partial
-        match's block, without allocating anything."""
-        seq = Sequence(request, request.block_keys(self.tpb))
-        full, partial = self.match(request)
-        for b in full:
-            self._claim(b)
-        seq.blocks = full
-        seq.num_stored = seq.reused_full_blocks = len(full)
-        if partial is not None and self._partial_usable(partial[0]):
-            self._claim(partial[0])
-            seq._partial = partial
-        self._track(seq)
-        return seq
 
     def _onboard(self, seq: Sequence) -> None:
         """Phase 2: bring host hits to the GPU and settle the partial match. A host hit that

@@ -73,11 +73,11 @@ class PrefixIndex:
         """Tokens a stored block holds (tokens_per_block unless partial)."""
         return self.stored[block][_NTOK]
 
-    def walk(self, keys: list[BlockKey], limit: int) -> list[BlockId]:
-        """Blocks of the longest stored prefix of `keys[:limit]`."""
+    def walk(self, keys: list[BlockKey], end: int, begin: int = 0) -> list[BlockId]:
+        """Blocks of the longest stored run of `keys[begin:end]` from `begin`."""
         get = self.by_key.get
         out: list[BlockId] = []
-        for i in range(limit):
+        for i in range(begin, end):
             b = get(keys[i])
             if b is None:
                 break

@@ -236,8 +236,11 @@ def _complete(trials) -> int:
     return sum(t.state == TrialState.COMPLETE for t in trials)
 
 
-def _running(trials) -> bool:
-    return any(t.state == TrialState.RUNNING for t in trials)
+def _running(trials, plan: T.Plan) -> bool:
+    """A trial is running with all its parameters drawn (killed before that, it has no
+    parameters to be retried with)."""
+    return any(t.state == TrialState.RUNNING and len(t.params) == len(plan.params)
+               for t in trials)
 
 
 def test_interrupted_then_killed_study_resumes_to_n_trials(tmp_path, monkeypatch):
@@ -274,7 +277,7 @@ def test_interrupted_then_killed_study_resumes_to_n_trials(tmp_path, monkeypatch
     # A killed process: its trial stays RUNNING until its heartbeat goes stale.
     proc = subprocess.Popen([*KVBENCH, *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    _wait_for(plan, lambda ts: _complete(ts) > 2 and _running(ts), proc)
+    _wait_for(plan, lambda ts: _complete(ts) > 2 and _running(ts, plan), proc)
     proc.kill()
     proc.wait(timeout=30)
     killed = [t for t in load(plan).get_trials() if t.state == TrialState.RUNNING]

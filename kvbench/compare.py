@@ -94,6 +94,7 @@ METRICS: dict[str, Rule] = {
     "reused_tokens_host": _EITHER,
     "reused_full_blocks": _EITHER,
     "reused_partial_tokens": _EITHER,
+    "reused_partial_blocks": _EITHER,
     # Memory.
     "peak_gpu_blocks": _LOWER,
     "peak_gpu_bytes": _LOWER,

@@ -282,6 +282,14 @@ class RequestsConfig(_Section):
     synthetic: SyntheticConfig = Field(
         default_factory=SyntheticConfig, description="Synthetic generator settings."
     )
+    beam_width: int = Field(
+        1, ge=1, le=64, description="Beams per request (beam search), unless beam_widths is set."
+    )
+    beam_widths: list[Annotated[int, Field(ge=1, le=64)]] | None = Field(
+        None,
+        min_length=1,
+        description="Per request, a beam width drawn uniformly (seeded by run.seed) from this list.",
+    )
 
     @field_validator("path")
     @classmethod

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cache.manager import CacheSpec, KVCacheManager
+from .cache.manager import CacheSpec, KVCacheManager, grow_blocks
 from .cache.windows import (LifeCycle, WindowedCacheManager, life_cycles,
                             prefill_blocks_bound, split_gpu_blocks)
 from .config import Workload, resolve_path
@@ -19,6 +19,7 @@ from .engine.serve import run_serve
 from .errors import InputError
 from .oracle import reference_hit_rates
 from .traffic import Request, load_requests
+from .traffic.decoding import apply_decoding
 
 ProgressFactory = Callable[[str, int], Callable[[int], None]]
 """(description, total) -> advance(n): how a run reports progress (a rich bar in the CLI)."""
@@ -73,6 +74,7 @@ def _load(wl: Workload) -> list[Request]:
     requests = load_requests(wl.requests, base_dir=base, seed=wl.run.seed)
     if not requests:
         raise InputError(f"{_where(wl)}: requests: the request stream is empty")
+    apply_decoding(requests, wl.requests, wl.run.seed)
     return requests
 
 
@@ -90,6 +92,9 @@ def _check_supported(wl: Workload) -> None:
                 and (s.batch_wait_timeout_iters or s.batch_wait_max_tokens_ratio)):
             unsupported.append("cache.swa_scratch_reuse with delay batching in run.mode: serve"
                                " unless scheduler.revert_deferred_ctx")
+    if _windowed(wl) and (wl.requests.beam_width > 1 or any(
+            w > 1 for w in wl.requests.beam_widths or ())):
+        unsupported.append("beam search (requests.beam_width > 1) with sliding-window layers")
     if unsupported:
         raise InputError(
             f"{_where(wl)}: not supported by this kvbench build: {', '.join(unsupported)}")
@@ -125,13 +130,14 @@ def _open_data_plane(wl: Workload, spec: CacheSpec,
 
 def _check_fits(wl: Workload, requests: list[Request], num_blocks: int) -> None:
     tpb = wl.cache.tokens_per_block
-    largest = max(requests, key=lambda r: r.input_length)
-    need = -(-largest.input_length // tpb)
+    largest = max(requests, key=lambda r: grow_blocks(tpb, r, 0, r.input_length))
+    need = grow_blocks(tpb, largest, 0, largest.input_length)
     if need > num_blocks:
         raise InputError(
             f"{_where(wl)}: cache.max_tokens: request {largest.id} needs {need} blocks "
-            f"({largest.input_length} prompt tokens at tokens_per_block {tpb}) but the cache "
-            f"holds {num_blocks}; raise cache.max_tokens to at least {need * tpb}")
+            f"({largest.input_length} prompt tokens, {largest.beam_width} beam(s) at "
+            f"tokens_per_block {tpb}) but the cache holds {num_blocks}; raise cache.max_tokens "
+            f"to at least {need * tpb}")
 
 
 def windowed_manager(wl: Workload, requests: list[Request], *,
@@ -220,6 +226,7 @@ def _run_one(
         **_cache_metrics(wl, manager, requests, result.reused_tokens, result.reused_tokens_host,
                          result.reused_partial_tokens),
         "reused_full_blocks": result.reused_full_blocks,
+        "reused_partial_blocks": result.reused_partial_blocks,
         "ideal_hit_rate": refs.ideal_hit_rate,
         "optimal_hit_rate": refs.optimal_hit_rate,
         "wall_s": wall,
@@ -314,6 +321,8 @@ def _run_serve(
     metrics = {
         **_cache_metrics(wl, manager, requests, reused, reused_host,
                          sum(s.reused_partial for s in states)),
+        "reused_full_blocks": sum(s.reused_full_blocks for s in states),
+        "reused_partial_blocks": sum(s.reused_partial > 0 for s in states),
         "ideal_hit_rate": ideal,
         "optimal_hit_rate": None,
         "iterations": result.iterations,
@@ -390,15 +399,26 @@ def _check_serve_fits(wl: Workload, requests: list[Request], num_blocks: int) ->
         raise InputError(
             f"{_where(wl)}: scheduler.max_num_tokens ({s.max_num_tokens}) is below one chunk "
             f"of cache.tokens_per_block ({tpb}) tokens")
-    # A request holds KV for its prompt and all but its last generated token.
-    largest = max(requests, key=lambda r: r.input_length + max(r.output_length - 1, 0))
-    length = largest.input_length + max(largest.output_length - 1, 0)
-    need = -(-length // tpb)
+    widest = max(r.beam_width for r in requests)
+    if s.max_batch_size * widest > s.max_num_tokens:
+        raise InputError(
+            f"{_where(wl)}: scheduler.max_batch_size ({s.max_batch_size}) x the widest beam "
+            f"search ({widest}) exceeds scheduler.max_num_tokens ({s.max_num_tokens}): every "
+            "beam of a running request decodes one token per step")
+    # A request holds KV for its prompt and all but its last generated token, in every beam.
+    def held(r: Request) -> int:
+        return r.input_length + max(r.output_length - 1, 0)
+
+    largest = max(requests, key=lambda r: grow_blocks(tpb, r, 0, held(r)))
+    need, length = grow_blocks(tpb, largest, 0, held(largest)), held(largest)
     if need > num_blocks:
         raise InputError(
             f"{_where(wl)}: cache.max_tokens: request {largest.id} needs {need} blocks "
-            f"({length} prompt and generated tokens at tokens_per_block {tpb}) but the cache "
-            f"holds {num_blocks}; raise cache.max_tokens to at least {need * tpb}")
+            f"({length} prompt and generated tokens, {largest.beam_width} beam(s) at "
+            f"tokens_per_block {tpb}) but the cache holds {num_blocks}; raise cache.max_tokens "
+            f"to at least {need * tpb}")
+    largest = max(requests, key=held)
+    length = held(largest)
     if not s.enable_chunked_prefill and length > s.max_num_tokens:
         raise InputError(
             f"{_where(wl)}: scheduler.max_num_tokens: request {largest.id} may need to "

@@ -16,8 +16,19 @@ sequence at a time, so onboarding for one request may evict a block another requ
 same step was counted on; `add_sequences` claims every match of every request first (phase 1)
 and only then onboards (phase 2), so nothing phase 2 evicts was matched by the batch.
 
+Beam search (TensorRT-LLM's rule): a sequence of a request with `beam_width` w > 1 shares its
+context's full blocks among the beams; the last context block is shared only when it is full
+(`input_length % tokens_per_block == 0`, or always for cross-attention KV, `CacheSpec.cross_kv`),
+otherwise every beam gets its own copy; every block past the context is per beam. `blocks` is
+beam 0's page table (the one stored for reuse: beam 0 generates the request's stream); beams
+1..w-1 hold their own blocks of the positions from `shared_blocks` on in `beams`, never stored.
+Reuse matches only the shared blocks (an unshared last block is computed by each beam).
+`resize` allocates for every beam, so peak memory, the scheduler's block estimate
+(`grow_blocks`) and preemption all see them.
+
 Invariants (checked by `_check_sanity`): every block is empty, cached or in use in its pool;
-`ref_count[b]` equals the number of live sequences holding `b`; a block in use is never evicted
+`ref_count[b]` equals the number of live sequences holding `b` (a beam's own block counts
+once, a shared one once per sequence); a block in use is never evicted
 (eviction takes only from free queues, which hold only blocks with ref_count 0); every block in
 a free queue is stored in the prefix index; a live sequence holds only GPU blocks.
 """
@@ -55,6 +66,9 @@ class CacheSpec:
     """Evicted GPU blocks below this retention priority are dropped, not offloaded."""
     emit_copy_ops: bool = False
     """Record every block copy as a `CopyOp` for a data plane (otherwise only count them)."""
+    cross_kv: bool = False
+    """Cross-attention KV (written once from the encoder output): every block, the last
+    included, is shared among a sequence's beams."""
 
 
 NO_BLOCK = BlockId(-1)
@@ -63,13 +77,37 @@ sliding window no longer (or never) needs it, or it is a scratch block (`windows
 the positions of the other blocks aligned with the sequence's tokens."""
 
 
+def shared_blocks(tokens_per_block: int, request: Request, cross_kv: bool = False) -> int:
+    """Leading block positions the beams of a sequence of `request` share: the context's full
+    blocks, and its last one too only when full or for cross-attention KV (TensorRT-LLM's
+    `isShareLastContextBlock`)."""
+    if cross_kv:
+        return -(-request.input_length // tokens_per_block)
+    return request.input_length // tokens_per_block
+
+
+def grow_blocks(tokens_per_block: int, request: Request, have: int, num_tokens: int,
+                cross_kv: bool = False) -> int:
+    """Blocks a sequence of `request` holding `have` block positions takes to hold
+    `num_tokens` tokens: one per new position, and one more per extra beam for each new
+    position past the shared context."""
+    positions = -(-num_tokens // tokens_per_block)
+    if positions <= have:
+        return 0
+    own = 0
+    if request.beam_width > 1:
+        own = (request.beam_width - 1) * max(
+            0, positions - max(have, shared_blocks(tokens_per_block, request, cross_kv)))
+    return positions - have + own
+
+
 class Sequence:
     """One request's hold on the cache."""
 
     __slots__ = (
         "request", "keys", "blocks", "num_tokens", "num_computed", "num_stored",
         "reused_tokens", "reused_full_blocks", "reused_tokens_host", "partial_tokens",
-        "partial_copied", "_partial", "holes",
+        "partial_copied", "_partial", "holes", "beam_width", "shared_blocks", "beams",
     )
 
     def __init__(self, request: Request, keys: list[BlockKey]) -> None:
@@ -93,6 +131,22 @@ class Sequence:
         """A claimed, partially matched block waiting for phase 2."""
         self.holes = False
         """Some entry of `blocks` is NO_BLOCK (only sliding-window life cycles make them)."""
+        self.beam_width = request.beam_width
+        self.shared_blocks = 0
+        """Leading block positions all beams share (see the module docstring)."""
+        self.beams: list[list[BlockId]] = [[] for _ in range(self.beam_width - 1)]
+        """Beams 1..w-1: each one's own blocks of positions `shared_blocks` on."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the sequence holds or will hold for its positions, every beam's included."""
+        return len(self.blocks) + sum(len(b) for b in self.beams)
+
+    def beam_blocks(self, beam: int) -> list[BlockId]:
+        """The page table of `beam` (0 = `blocks`)."""
+        if beam == 0:
+            return self.blocks
+        return self.blocks[:self.shared_blocks] + self.beams[beam - 1]
 
 
 class KVCacheManager:
@@ -169,14 +223,24 @@ class KVCacheManager:
         the GPU pool cannot supply them; shrinking is not supported (use `release`)."""
         if num_tokens < seq.num_tokens:
             raise ValueError("resize cannot shrink a sequence")
-        need = -(-num_tokens // self.tpb) - len(seq.blocks)
+        positions = -(-num_tokens // self.tpb)
+        need = positions - len(seq.blocks)
         if need > 0:
-            new = self._allocate(need, seq.request.priority)
+            own = 0 if not seq.beams else max(
+                0, positions - max(len(seq.blocks), seq.shared_blocks))
+            new = self._allocate(need + len(seq.beams) * own, seq.request.priority)
             if new is None:
                 return False
-            seq.blocks.extend(new)
+            seq.blocks.extend(new[:need])
+            for j, beam in enumerate(seq.beams):
+                beam.extend(new[need + j * own:need + (j + 1) * own])
         seq.num_tokens = num_tokens
         return True
+
+    def grow_blocks(self, request: Request, have: int, num_tokens: int) -> int:
+        """GPU blocks `resize` takes to grow a sequence of `request` (holding `have` block
+        positions) to `num_tokens` tokens (what a scheduler counts with)."""
+        return grow_blocks(self.tpb, request, have, num_tokens, self.spec.cross_kv)
 
     def commit(self, seq: Sequence, num_computed: int) -> None:
         """Record that the first `num_computed` tokens of `seq` hold their KV; full blocks
@@ -207,6 +271,9 @@ class KVCacheManager:
         if seq.holes:
             blocks = [b for b in blocks if b != NO_BLOCK]
             seq.holes = False
+        for beam in seq.beams:
+            self._unhold(beam, seq.request.priority)
+            beam.clear()
         self._unhold(blocks, seq.request.priority)
         seq.blocks = []
 
@@ -239,6 +306,10 @@ class KVCacheManager:
         del seq.blocks[keep:]
         if seq.holes:
             extra = [b for b in extra if b != NO_BLOCK]
+        own = max(0, keep - seq.shared_blocks)
+        for beam in seq.beams:
+            extra.extend(beam[own:])
+            del beam[own:]
         seq.num_tokens = min(seq.num_tokens, num_tokens)
         self._unhold(extra, seq.request.priority)
         return len(extra)
@@ -256,6 +327,9 @@ class KVCacheManager:
             return [], None
         tpb = self.tpb
         max_tokens = min(max_tokens, request.input_length - 1)
+        if request.beam_width > 1:
+            # Only the shared context is matched; an unshared last block is every beam's own.
+            max_tokens = min(max_tokens, self._shared_blocks(request) * tpb)
         keys = request.block_keys(tpb)
         found = self.index.walk(keys, max_tokens // tpb, first_block)
         full = [NO_BLOCK] * first_block + found if first_block else found
@@ -282,6 +356,8 @@ class KVCacheManager:
         seq.blocks = full
         seq.holes = bool(full) and full[0] == NO_BLOCK
         seq.num_stored = seq.reused_full_blocks = len(full)
+        if seq.beams:
+            seq.shared_blocks = self._shared_blocks(request)
         if partial is not None:
             self._claim(partial[0])
             seq._partial = partial
@@ -352,6 +428,9 @@ class KVCacheManager:
         self.gpu.free_queue.push_back_many(cached, level)
         self.gpu.num_in_use -= freed
         return freed
+
+    def _shared_blocks(self, request: Request) -> int:
+        return shared_blocks(self.tpb, request, self.spec.cross_kv)
 
     def _pool(self, b: BlockId) -> BlockPool:
         return self.gpu if b < self.gpu.capacity else self.host
@@ -598,6 +677,10 @@ class KVCacheManager:
                 assert seq.holes or NO_BLOCK not in seq.blocks
                 for b in seq.blocks:
                     if b != NO_BLOCK:
+                        owners[b] += 1
+                for beam in seq.beams:
+                    assert len(beam) == max(0, len(seq.blocks) - seq.shared_blocks)
+                    for b in beam:
                         owners[b] += 1
                 if seq._partial is not None:
                     owners[seq._partial[0]] += 1

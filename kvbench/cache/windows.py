@@ -191,6 +191,11 @@ class WindowedSequence:
         the first pool's list, NO_BLOCK included): what a scheduler counts with."""
         return self.seqs[0].blocks
 
+    @property
+    def num_blocks(self) -> int:
+        """Block positions spanned (one beam: sliding-window models decode a single one)."""
+        return len(self.seqs[0].blocks)
+
 
 class WindowedCacheManager:
     """Pools of several life cycles, kept in step for each request (see the module
@@ -423,6 +428,10 @@ class WindowedCacheManager:
             draw = max(draw, n + (partial is not None))
         positions = len(matches[0][0]) + (matches[0][1] is not None)
         return reuse, positions, draw
+
+    def grow_blocks(self, request: Request, have: int, num_tokens: int) -> int:
+        """As `KVCacheManager.grow_blocks` (block positions; one beam here)."""
+        return max(0, -(-num_tokens // self.tpb) - have)
 
     @property
     def gpu(self) -> _Pools:

@@ -19,6 +19,7 @@ class CacheModeResult:
     reused_tokens_host: int
     reused_full_blocks: int
     reused_partial_tokens: int
+    reused_partial_blocks: int
     timeline: Timeline
 
 
@@ -47,7 +48,7 @@ def replay_cache_mode(
     if data_plane is not None:
         plane_step = (_windowed_data_plane_step if isinstance(manager, WindowedCacheManager)
                       else _data_plane_step)
-    prompt = reused = host = full = partial = 0
+    prompt = reused = host = full = partial = partial_blocks = 0
     for i, r in enumerate(requests):
         seq = manager.add_sequence(r)
         if not manager.resize(seq, r.input_length):
@@ -62,6 +63,7 @@ def replay_cache_mode(
         host += seq.reused_tokens_host
         full += seq.reused_full_blocks
         partial += seq.partial_tokens
+        partial_blocks += seq.partial_tokens > 0
         c_reused.append(seq.reused_tokens)
         c_prompt.append(r.input_length)
         c_in_use.append(in_use)
@@ -71,7 +73,7 @@ def replay_cache_mode(
             on_progress(progress_every)
     if on_progress is not None:
         on_progress(len(requests) % progress_every)
-    return CacheModeResult(prompt, reused, host, full, partial, timeline)
+    return CacheModeResult(prompt, reused, host, full, partial, partial_blocks, timeline)
 
 
 def _data_plane_step(data_plane, manager: KVCacheManager, r: Request, seq: CacheSequence) -> None:

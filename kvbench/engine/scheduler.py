@@ -52,7 +52,7 @@ class ServeRequest:
 
     __slots__ = (
         "request", "idx", "phase", "view", "seq", "context_len", "generated", "pre_tokens",
-        "reused", "reused_host", "reused_partial", "first_token_s", "finish_s", "d_step0", "d_pos0", "d_gen0", "finish_step",
+        "reused", "reused_host", "reused_partial", "reused_full_blocks", "first_token_s", "finish_s", "d_step0", "d_pos0", "d_gen0", "finish_step",
         "version",
     )
 
@@ -74,6 +74,8 @@ class ServeRequest:
         """Prompt tokens reused by the add whose chunk computed first (-1: not yet)."""
         self.reused_host = self.reused_partial = 0
         """Of those: from the host tier, by a partial match."""
+        self.reused_full_blocks = 0
+        """Full blocks that add reused (its partial block, if any: `reused_partial > 0`)."""
         self.first_token_s = -1.0
         self.finish_s = -1.0
         # Decoding: at step d_step0 + k the request computes position d_pos0 + k and then
@@ -123,15 +125,16 @@ class Scheduler:
 
     def plan_context(
         self, prefilling: list[ServeRequest], waiting: list[tuple[int, ServeRequest]],
-        num_gen: int, num_active: int, cache: KVCacheManager,
+        num_gen: int, num_active: int, cache: KVCacheManager, gen_tokens: int | None = None,
     ) -> list[ContextWork]:
-        """The step's context chunks after `num_gen` generation tokens. Admitted requests are
-        popped from `waiting` (a heap by arrival order); `num_active` counts requests holding
-        a sequence, which may not exceed `max_batch_size`."""
-        budget = self.max_num_tokens - num_gen
+        """The step's context chunks after `num_gen` generation requests computing
+        `gen_tokens` tokens (one per beam; default `num_gen`). Admitted requests are popped
+        from `waiting` (a heap by arrival order); `num_active` counts requests holding a
+        sequence, which may not exceed `max_batch_size`. A chunk's blocks are counted for
+        every beam (`grow_blocks`)."""
+        budget = self.max_num_tokens - (num_gen if gen_tokens is None else gen_tokens)
         slots = self.max_batch_size - num_gen
         free = cache.gpu.num_free
-        tpb = self.tpb
         plan: list[ContextWork] = []
         for r in prefilling:
             if slots <= 0 or budget <= 0:
@@ -141,10 +144,10 @@ class Scheduler:
             chunk, last = self._chunk(r.context_len - start, budget)
             if not chunk:
                 return plan
-            need = -(-(start + chunk) // tpb) - len(seq.blocks)
+            need = cache.grow_blocks(r.view, len(seq.blocks), start + chunk)
             if need > free:
                 return plan
-            free -= max(need, 0)
+            free -= need
             budget -= chunk
             slots -= 1
             plan.append(ContextWork(r, False, start, chunk, last))
@@ -154,7 +157,7 @@ class Scheduler:
             chunk, last = self._chunk(r.context_len - reused, budget)
             if not chunk:
                 break
-            need = draw + -(-(reused + chunk) // tpb) - blocks
+            need = draw + cache.grow_blocks(r.view, blocks, reused + chunk)
             if need > free:
                 break
             heappop(waiting)

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..cache.manager import KVCacheManager
 from ..cache.windows import WindowedCacheManager
-from ..kernels.step import StepItem, sequence_tokens
+from ..kernels.step import StepItem, beam_tokens
 from ..traffic.request import Request
 from .clock import StepClock
 from .scheduler import ContextWork, Phase, Scheduler, ServeRequest
@@ -135,6 +135,7 @@ class ServeLoop:
     __slots__ = (
         "states", "manager", "scheduler", "clock", "revert", "batch_add", "bulk_decode",
         "on_step", "on_progress", "tpb", "mnt", "waiting", "prefilling", "decoders", "dec_k",
+        "gen_tokens",
         "events", "step", "now", "finished", "preemptions", "overflow_steps", "max_overshoot",
         "shortfall", "held_peak", "reverted", "wait_iterations", "alloc_failures",
         "computed_tokens", "timeline", "block_bytes", "data_plane", "_moved", "_row_reused",
@@ -167,8 +168,10 @@ class ServeLoop:
         """Requests holding a sequence in a context phase, in arrival order."""
         self.decoders: dict[int, ServeRequest] = {}
         self.dec_k = 0
-        """Sum over decoders of d_pos0 - d_step0: at step s they read dec_k + n (s + 1) KV
-        tokens (positions + 1), so no per-step update is needed."""
+        """Sum over decoders' beams of d_pos0 - d_step0: at step s they read
+        dec_k + gen_tokens (s + 1) KV tokens (positions + 1), so no per-step update is needed."""
+        self.gen_tokens = 0
+        """Tokens the decoders compute per step: one per beam."""
         self.events: list[tuple[int, int, int, ServeRequest]] = []
         """(step, idx, version, request): a decoder's next block boundary or finish."""
         self.step = 0
@@ -183,9 +186,9 @@ class ServeLoop:
         self._moved = 0
         self._row_reused = self._row_prompt = 0
         self._columns = tuple(self.timeline.columns[name] for name in TIMELINE_COLUMNS)
-        self._tokens: dict[int, np.ndarray] = {}
-        """Stream token ids of running requests for the data plane, built once per request
-        (a trace prompt's tokens are derived per position)."""
+        self._tokens: dict[tuple[int, int], np.ndarray] = {}
+        """Stream token ids of running requests' beams for the data plane, built once per
+        (request, beam) and context (a trace prompt's tokens are derived per position)."""
 
     def run(self) -> ServeResult:
         states, waiting = self.states, self.waiting
@@ -229,9 +232,10 @@ class ServeLoop:
         step = self.step
         preempted: list[int] = []
         finishing = self._generation_phase(preempted)
-        num_gen = len(self.decoders)
+        num_gen, gen_tokens = len(self.decoders), self.gen_tokens
         plan = self.scheduler.plan_context(
-            self.prefilling, self.waiting, num_gen, num_gen + len(self.prefilling), self.manager)
+            self.prefilling, self.waiting, num_gen, num_gen + len(self.prefilling), self.manager,
+            gen_tokens=gen_tokens)
         if not plan and not num_gen:
             # Running requests hold the blocks the oldest one needs and none can move:
             # suspend the newest (the oldest always fits alone, which the caller checked).
@@ -240,14 +244,14 @@ class ServeLoop:
             self._preempt(self._newest())
             return False
         work = self._place(plan)
-        scheduled = num_gen + sum(w.chunk for w in work)
+        scheduled = gen_tokens + sum(w.chunk for w in work)
         deferred: tuple[int, ...] = ()
         if work and self.scheduler.defer(scheduled, len(work), num_gen):
             self.wait_iterations += 1
             deferred = tuple(w.req.request.id for w in work)
             self._hold_or_revert(work)
-            work, scheduled = [], num_gen
-        tokens, dt = self._compute(work, num_gen)
+            work, scheduled = [], gen_tokens
+        tokens, dt = self._compute(work, gen_tokens)
         if self.data_plane is not None:
             self._execute(work)
         start_s = self.now
@@ -268,11 +272,12 @@ class ServeLoop:
         self.step = step + 1
         return not plan and not done and num_gen > 0
 
-    def _compute(self, work: list[ContextWork], num_gen: int) -> tuple[int, float]:
+    def _compute(self, work: list[ContextWork], gen_tokens: int) -> tuple[int, float]:
         """Tokens the step computes and its modeled time; counts MNT overflow (the actual
-        tokens past the budget, DESIGN.md section 3) and the reuse shortfall behind it."""
-        kv = self.dec_k + num_gen * (self.step + 1)  # a decoder at position p reads p + 1
-        tokens, pairs = num_gen, kv
+        tokens past the budget, DESIGN.md section 3) and the reuse shortfall behind it.
+        A context chunk is computed once for all its beams."""
+        kv = self.dec_k + gen_tokens * (self.step + 1)  # a beam at position p reads p + 1
+        tokens, pairs = gen_tokens, kv
         for w in work:
             c = w.end - w.start
             tokens += c
@@ -310,7 +315,15 @@ class ServeLoop:
         for r, start, end in runs:
             tokens = self._stream(r)
             if not windowed:
-                items.append(StepItem(r.request.id, tokens, r.seq.blocks, start, end))
+                seq = r.seq
+                items.append(StepItem(r.request.id, tokens, seq.blocks, start, end))
+                # Other beams compute only their own positions (the context past the shared
+                # blocks, then their tokens); the shared ones are beam 0's.
+                own = max(start, seq.shared_blocks * self.tpb)
+                for beam in range(1, seq.beam_width):
+                    if own < end:
+                        items.append(StepItem(r.request.id, self._stream(r, beam),
+                                              seq.beam_blocks(beam), own, end))
                 continue
             for i in range(len(managers)):
                 first, blocks, scratch = mgr.step_view(r.seq, i, start)
@@ -319,10 +332,11 @@ class ServeLoop:
         if ops or items:
             self.data_plane.execute_step(ops, items)
 
-    def _stream(self, r: ServeRequest) -> np.ndarray:
-        tokens = self._tokens.get(r.idx)
+    def _stream(self, r: ServeRequest, beam: int = 0) -> np.ndarray:
+        tokens = self._tokens.get((r.idx, beam))
         if tokens is None:
-            tokens = self._tokens[r.idx] = sequence_tokens(r.request, r.request.stream_length)
+            tokens = self._tokens[(r.idx, beam)] = beam_tokens(
+                r.request, beam, r.context_len, r.request.stream_length)
         return tokens
 
     def _generation_phase(self, preempted: list[int]) -> list[ServeRequest]:
@@ -392,15 +406,16 @@ class ServeLoop:
 
     def _hold_or_revert(self, work: list[ContextWork]) -> None:
         """Deferred context requests: return their blocks for the step, or keep them held."""
-        mgr, tpb = self.manager, self.tpb
+        mgr = self.manager
         if not self.revert:
-            held = sum(len(w.req.seq.blocks) - -(-w.req.pre_tokens // tpb) for w in work)
+            held = sum(w.req.seq.num_blocks - mgr.grow_blocks(w.req.view, 0, w.req.pre_tokens)
+                       for w in work)
             self.held_peak = max(self.held_peak, held)
             return
         for w in work:
             r = w.req
             if w.new:
-                self.reverted += len(r.seq.blocks)
+                self.reverted += r.seq.num_blocks
                 self._unplace(r)
             else:
                 self.reverted += mgr.shrink(r.seq, r.pre_tokens)
@@ -420,6 +435,7 @@ class ServeLoop:
                 r.reused = seq.reused_tokens
                 r.reused_host = seq.reused_tokens_host
                 r.reused_partial = seq.partial_tokens
+                r.reused_full_blocks = seq.reused_full_blocks
                 self._row_reused += r.reused
                 self._row_prompt += r.request.input_length
             if w.end < r.context_len:
@@ -437,7 +453,9 @@ class ServeLoop:
             r.d_step0, r.d_pos0, r.d_gen0 = step + 1, r.context_len, r.generated
             r.finish_step = step + out - r.generated
             self.decoders[r.idx] = r
-            self.dec_k += r.d_pos0 - r.d_step0
+            width = r.request.beam_width
+            self.dec_k += width * (r.d_pos0 - r.d_step0)
+            self.gen_tokens += width
             self._push_event(r, r.d_step0 + (-r.d_pos0) % self.tpb)
         return done
 
@@ -455,7 +473,7 @@ class ServeLoop:
 
     def _jump(self, next_arrival: float | None) -> None:
         """Advance the pure-decode steps before the next event and arrival in one go."""
-        n = len(self.decoders)
+        n = self.gen_tokens
         steps = self.events[0][0] - self.step
         kv = self.dec_k + n * (self.step + 1)
         if next_arrival is not None:
@@ -466,7 +484,7 @@ class ServeLoop:
         dt = self.clock.decode_run_seconds(n, kv, steps)
         self.now += dt
         self.computed_tokens += n * steps
-        self._row(self.step, steps, start_s, n, n, n)
+        self._row(self.step, steps, start_s, len(self.decoders), n, n)
         if self.on_step is not None:
             gen = tuple((r.request.id, r.d_pos0 + self.step - r.d_step0)
                         for r in self.decoders.values())
@@ -508,6 +526,7 @@ class ServeLoop:
         else:
             self.prefilling.remove(r)
         self.manager.release(seq)
+        self._drop_tokens(r)
         r.seq = None
         r.pre_tokens = -1
         r.phase = Phase.WAITING
@@ -527,11 +546,17 @@ class ServeLoop:
 
     def _drop_decoder(self, r: ServeRequest) -> None:
         del self.decoders[r.idx]
-        self.dec_k -= r.d_pos0 - r.d_step0
+        width = r.request.beam_width
+        self.dec_k -= width * (r.d_pos0 - r.d_step0)
+        self.gen_tokens -= width
         r.version += 1
 
+    def _drop_tokens(self, r: ServeRequest) -> None:
+        for beam in range(r.request.beam_width):
+            self._tokens.pop((r.idx, beam), None)
+
     def _release(self, r: ServeRequest) -> None:
-        self._tokens.pop(r.idx, None)
+        self._drop_tokens(r)
         self.manager.release(r.seq)
         r.seq = None
         r.phase = Phase.DONE

@@ -35,6 +35,17 @@ def sequence_tokens(request, end: int) -> np.ndarray:
     return np.concatenate([np.asarray(prompt, dtype=np.int64), generated])
 
 
+def beam_tokens(request, beam: int, context: int, end: int) -> np.ndarray:
+    """Token ids of positions `[0, end)` of beam `beam` of a beam-search sequence whose beams
+    share their first `context` tokens: beam 0's are `sequence_tokens`; another beam's differ
+    past the shared context (ids below zero, unique per request, beam and position)."""
+    if beam == 0 or end <= context:
+        return sequence_tokens(request, end)
+    offsets = np.arange(context, end, dtype=np.int64) - request.input_length
+    own = -1 - (request.id << 24) - offsets - (beam << 56)
+    return np.concatenate([sequence_tokens(request, context), own])
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     """The attention shape the KV tensors and the synthetic model are built for."""

@@ -30,6 +30,9 @@ import numpy as np
 _END_BITS = 24
 # Derived generated tokens pack (request id, offset) the same way, negated: prompt tokens are >= 0.
 _GEN_BITS = 24
+# Beams past the first derive theirs with the beam index above (request id, offset).
+_BEAM_SHIFT = 56
+MAX_BEAM_WIDTH = 64
 
 
 def namespace_salt(namespace: str | int | None) -> int:
@@ -61,6 +64,8 @@ class Request:
     output_tokens: np.ndarray | None = None
     """Tokens the request will generate when the traffic knows them (a synthetic session's next
     turn carries this answer, so decode blocks become reusable); None = unknown (traces)."""
+    beam_width: int = 1
+    """Beams decoded side by side (beam search); beam 0 generates the stream above."""
     root_key: int = field(init=False, repr=False)
     """Key of the empty prefix: the namespace's salt, so namespaces never share blocks."""
     _keys: dict[int, list[int]] = field(default_factory=dict, repr=False)
@@ -75,6 +80,8 @@ class Request:
             raise ValueError("input_length must equal the number of tokens")
         if self.output_tokens is not None and len(self.output_tokens) != self.output_length:
             raise ValueError("output_length must equal the number of output_tokens")
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be 1..{MAX_BEAM_WIDTH}")
         self.root_key = namespace_salt(self.namespace)
 
     def block_keys(self, tokens_per_block: int) -> list[int]:
@@ -206,7 +213,7 @@ class StreamView:
     of a `Request`. Keys, first tokens and tokens cover the whole stream, so a sequence that
     keeps growing past `input_length` by decoding stores its generated blocks under this view."""
 
-    __slots__ = ("request", "id", "input_length", "root_key", "priority")
+    __slots__ = ("request", "id", "input_length", "root_key", "priority", "beam_width")
 
     def __init__(self, request: Request, input_length: int) -> None:
         if not 0 < input_length <= request.stream_length:
@@ -216,6 +223,7 @@ class StreamView:
         self.input_length = input_length
         self.root_key = request.root_key
         self.priority = request.priority
+        self.beam_width = request.beam_width
 
     def block_keys(self, tokens_per_block: int) -> list[int]:
         return self.request.stream_keys(tokens_per_block)

@@ -279,3 +279,35 @@ def test_data_plane_catches_beams_sharing_their_own_block(monkeypatch):
     monkeypatch.setattr(Sequence, "beam_blocks", lambda self, beam: self.blocks)
     serve([req(list(range(10)), width=3, out=6, rid=0)], blocks=30, plane=p, bulk=False)
     assert p.metrics()["verified"] is False
+
+
+# --- workload keys ----------------------------------------------------------------------------
+
+
+def test_beam_keys_in_workloads(tmp_path):
+    from kvbench.config import load_workload
+    from kvbench.errors import InputError
+    from kvbench.runner import run_workload
+
+    path = tmp_path / "w.yaml"
+    path.write_text("requests:\n  beam_widths: [1, 0]\n")
+    with pytest.raises(InputError, match=r"w.yaml:2:\d+.*requests.beam_widths"):
+        load_workload(path)
+    base = ("model: {num_layers: 2, num_kv_heads: 1, num_q_heads: 1, head_dim: 8}\n"
+            "cache: {tokens_per_block: 8, max_tokens: 2048}\n"
+            "requests: {beam_widths: [1, 3], synthetic: {num_requests: 30, "
+            "system_prompt_tokens: 20, prompt_tokens: 12, output_tokens: 6}}\n"
+            "run: {mode: serve, progress: false}\n")
+    path.write_text(base)
+    wl = load_workload(path)
+    from kvbench.runner import _load
+    widths = [r.beam_width for r in _load(wl)]
+    assert set(widths) == {1, 3} and widths == [r.beam_width for r in _load(wl)]
+    (out,) = run_workload(wl)
+    assert out.metrics["requests"] == 30 and out.metrics["peak_gpu_blocks"] > 0
+    windowed = load_workload(path, ["model.attention_window=16"])
+    with pytest.raises(InputError, match="beam search"):
+        run_workload(windowed)
+    tight = load_workload(path, ["scheduler.max_batch_size=200", "scheduler.max_num_tokens=512"])
+    with pytest.raises(InputError, match="widest beam"):
+        run_workload(tight)

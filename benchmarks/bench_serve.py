@@ -58,7 +58,7 @@ def main() -> None:
             ideal = runner._serve_ideal_hit_rate(subset, spec)
             t2 = time.perf_counter()
             states = result.requests
-            hit = sum(s.reused for s in states) / sum(r.input_length for r in subset)
+            hit = sum(s.reused_tokens for s in states) / sum(r.input_length for r in subset)
             ttft = sorted(s.first_token_s - s.request.arrival_s for s in states)
             tpot = sorted((s.finish_s - s.first_token_s) / (s.request.output_length - 1)
                           for s in states if s.request.output_length > 1)

@@ -2,8 +2,8 @@
 
 Every run is keyed by (workload, variant). Several runs with the same key in one file are
 repeats (`kvbench run --repeat N`); their numeric metrics are merged by the median, so a
-measured timing is the median of its repeats. Each metric has a rule (`METRICS`): which
-direction is better and how far it may move. Deterministic metrics (counts, hit rates, peaks,
+measured timing is the median of its repeats. Each metric has a rule (`kvbench/metrics.py`):
+which direction is better and how far it may move. Deterministic metrics (counts, hit rates, peaks,
 modeled times on a fixed seed) get exact or epsilon tolerances; measured timings get a
 percentage and are compared only between results from the same device.
 
@@ -32,14 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InputError
+from .metrics import Rule, format_number, metric
 from .results import read_result
 
 DEFAULT_TIMING_TOLERANCE = 0.10
 """Relative tolerance of measured timings (median of repeats, same device)."""
-
-RATE_EPS = 1e-9
-"""Hit rates are ratios of integer counts: equal inputs give equal bits; the epsilon only
-absorbs a different summation order."""
 
 MODELED_REL_TOL = 1e-6
 """Modeled times are deterministic, but float maths may differ in the last bits between numpy
@@ -51,91 +48,6 @@ DEVICE_KEYS = ("device", "gpu", "machine", "platform", "cpu_count")
 FAILING = ("regressed", "mismatch", "missing")
 STATUS_ORDER = ("regressed", "mismatch", "missing", "improved", "changed", "new", "skipped",
                 "info", "ok")
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    """How one metric is judged.
-
-    better: higher | lower (directional), match (must not change: an input of the benchmark),
-    either (deterministic, no better direction), info (never judged).
-    scope: any (deterministic: compared anywhere), device (only between results from the same
-    device), time (a timing: exact-ish when both runs are `time_source: modeled`, else
-    `--timing-tolerance` on the same device).
-    A value passes when |new - base| <= max(abs_tol, rel_tol * |base|).
-    """
-
-    better: str
-    abs_tol: float = 0.0
-    rel_tol: float = 0.0
-    scope: str = "any"
-
-
-_HIGHER = Rule("higher")
-_LOWER = Rule("lower")
-_EITHER = Rule("either")
-_MATCH = Rule("match")
-_TIME_LOWER = Rule("lower", scope="time")
-
-METRICS: dict[str, Rule] = {
-    # Inputs and references: fixed by traffic and capacity, not by the cache's decisions.
-    "requests": _MATCH,
-    "prompt_tokens": _MATCH,
-    "gpu_blocks_total": _MATCH,
-    "host_blocks_total": _MATCH,
-    "gpu_bytes_total": _MATCH,
-    "ideal_hit_rate": Rule("match", abs_tol=RATE_EPS),
-    "optimal_hit_rate": Rule("match", abs_tol=RATE_EPS),
-    "time_source": _MATCH,
-    # Reuse.
-    "reused_tokens": _HIGHER,
-    "reused_tokens_gpu": _HIGHER,
-    "hit_rate": Rule("higher", abs_tol=RATE_EPS),
-    "reused_tokens_host": _EITHER,
-    "reused_full_blocks": _EITHER,
-    "reused_partial_tokens": _EITHER,
-    "reused_partial_blocks": _EITHER,
-    # Memory.
-    "peak_gpu_blocks": _LOWER,
-    "peak_gpu_bytes": _LOWER,
-    "peak_host_blocks": _EITHER,
-    "scratch_slots_peak": _LOWER,
-    "deferred_ctx_blocks_held_peak": _LOWER,
-    # Traffic.
-    "allocated_blocks": _LOWER,
-    "evicted_blocks": _LOWER,
-    "host_evicted_blocks": _LOWER,
-    "onboard_blocks": _EITHER,
-    "offload_blocks": _EITHER,
-    "partial_copy_blocks": _EITHER,
-    "onboard_bytes": _EITHER,
-    "offload_bytes": _EITHER,
-    "host_link_ms_modeled": _EITHER,
-    "scratch_blocks": _EITHER,
-    "reuse_fallbacks": _LOWER,
-    # Serving.
-    "iterations": _EITHER,
-    "preemptions": _LOWER,
-    "mnt_overflow_steps": _LOWER,
-    "max_mnt_overshoot_tokens": _LOWER,
-    "reuse_shortfall_tokens": _LOWER,
-    "throughput_tokens_per_s": Rule("higher", scope="time"),
-    "ttft_ms": _TIME_LOWER,
-    "tpot_ms": _TIME_LOWER,
-    "e2e_ms": _TIME_LOWER,
-    "duration_s": _TIME_LOWER,
-    "output_tokens": _MATCH,
-    "computed_tokens": _LOWER,
-    "ctx_alloc_failures": _LOWER,
-    "deferred_ctx_blocks_reverted": _EITHER,
-    "batch_wait_iterations": _EITHER,
-    # Data plane: numerics differ between kernels and devices.
-    "verified": _HIGHER,
-    "max_abs_err": Rule("lower", abs_tol=1e-4, rel_tol=1.0, scope="device"),
-    # Harness wall time (includes the oracle); never a gate.
-    "wall_s": Rule("info"),
-}
-"""Rules by metric name; a nested metric (`ttft_ms.p99`) uses its parent's rule."""
 
 
 @dataclass(slots=True)
@@ -203,7 +115,7 @@ class Comparison:
     def failure_line(self) -> str:
         """One line naming the failing metrics (the first few), for the exit-3 message."""
         failures = self.failures
-        shown = [f"{run.title}: {row.metric} {_value(row.base)} -> {_value(row.new)} ({row.status})"
+        shown = [f"{run.title}: {row.metric} {format_number(row.base)} -> {format_number(row.new)} ({row.status})"
                  for run, row in failures[:5]]
         more = f"; and {len(failures) - 5} more" if len(failures) > 5 else ""
         return f"{len(failures)} failing metric(s) vs {self.base_name}: {'; '.join(shown)}{more}"
@@ -288,8 +200,11 @@ def describe_device(environment: dict) -> str:
     return ", ".join(f"{k}={environment[k]}" for k in DEVICE_KEYS if k in environment) or "unknown"
 
 
-def rule_for(metric: str) -> Rule | None:
-    return METRICS.get(metric) or METRICS.get(metric.split(".", 1)[0])
+def rule_for(name: str) -> Rule | None:
+    """The rule of a metric, or of the metric a dotted name (`ttft_ms.p99`) is nested in
+    (`kvbench/metrics.py`)."""
+    m = metric(name)
+    return m.rule if m is not None else None
 
 
 # --- rendering -----------------------------------------------------------------------------------
@@ -318,7 +233,7 @@ def print_comparison(console, comparison: Comparison) -> None:
         for row in run.rows:
             color = colors.get(row.status)
             status = f"[{color}]{row.status}[/{color}]" if color else row.status
-            cells = (row.metric, _value(row.base), _value(row.new), _change(row.base, row.new),
+            cells = (row.metric, format_number(row.base), format_number(row.new), _change(row.base, row.new),
                      row.tolerance)
             table.add_row(*map(escape, cells), status + (f" ({row.note})" if row.note else ""))
         console.print(table)
@@ -404,6 +319,10 @@ class _Judge:
                 rel_tol = self.timing_tolerance
             else:
                 return MetricRow(name, b, n, "skipped", note="different device")
+        elif rule.scope == "measured":
+            if not self.same_device:
+                return MetricRow(name, b, n, "skipped", note="different device")
+            rel_tol = self.timing_tolerance
         elif rule.scope == "device" and not self.same_device:
             return MetricRow(name, b, n, "skipped", note="different device")
         tolerance = _tolerance_text(abs_tol, rel_tol)
@@ -443,23 +362,13 @@ def _median_metrics(repeats: list[dict]) -> dict:
 
 def _config_changes(base: dict, new: dict, limit: int = 5) -> list[str]:
     flat_base, flat_new = flatten_metrics(base), flatten_metrics(new)
-    changed = [f"{k} {_value(flat_base.get(k))} -> {_value(flat_new.get(k))}"
+    changed = [f"{k} {format_number(flat_base.get(k))} -> {format_number(flat_new.get(k))}"
                for k in sorted(flat_base.keys() | flat_new.keys())
                if flat_base.get(k) != flat_new.get(k)]
     return changed[:limit] + ([f"and {len(changed) - limit} more"] if len(changed) > limit else [])
 
 
 # --- formatting ----------------------------------------------------------------------------------
-
-
-def _value(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return str(v)
-    if isinstance(v, int):
-        return f"{v:,}"
-    return f"{v:,.6g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.3e}"
 
 
 def _change(b, n) -> str:
@@ -492,7 +401,7 @@ def _summary_line(c: Comparison) -> str:
 
 def _md_cells(row: MetricRow) -> tuple[str, ...]:
     status = f"**{row.status}**" if row.failing else row.status
-    return (f"`{row.metric}`", _value(row.base), _value(row.new), _change(row.base, row.new),
+    return (f"`{row.metric}`", format_number(row.base), format_number(row.new), _change(row.base, row.new),
             row.tolerance, status + (f" ({row.note})" if row.note else ""))
 
 

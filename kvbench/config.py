@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from kvbench.errors import InputError
+from kvbench.metrics import DEFAULT_OBJECTIVES, direction
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1}
 
@@ -440,10 +441,8 @@ def _check_constraint(text: str) -> str:
 
 
 def _default_objectives() -> list[Objective]:
-    return [
-        Objective(metric="throughput_tokens_per_s", direction="maximize"),
-        Objective(metric="peak_gpu_bytes", direction="minimize"),
-    ]
+    """The registry's default objectives, each in its compare rule's direction."""
+    return [Objective(metric=name, direction=direction(name)) for name in DEFAULT_OBJECTIVES]
 
 
 class TuneConfig(_Section):

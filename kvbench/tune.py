@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_origin
 from .config import (Constraint, SpaceEntry, TuneConfig, Workload, key_annotation, load_workload,
                      resolve_path)
 from .errors import InputError
+from .metrics import METRICS, metric
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
@@ -207,6 +209,16 @@ def default_storage(name: str) -> str:
     return f"sqlite:///results/{slug}-tune.db"
 
 
+def _check_metric(wl: Workload, path: str, where: tuple) -> None:
+    """An objective or constraint names a registered metric (whether this run produces it is
+    known only once it ran: a trial's metric missing from its run stops the study)."""
+    m = metric(path)
+    if m is None:
+        close = difflib.get_close_matches(path.split(".", 1)[0], METRICS, n=3)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise _at(wl, where, f"unknown metric {path!r}{hint}")
+
+
 def prepare(job: TuneJob) -> Plan:
     """Load and check the workload's `tune:` section; every problem is one InputError line."""
     wl = load_workload(job.workload, job.sets)
@@ -226,6 +238,10 @@ def prepare(job: TuneJob) -> Plan:
     if len(set(metrics)) != len(metrics):
         raise _at(wl, ("tune", "objectives"), f"each metric at most once (got {metrics})")
     params = [_param(wl, key, entry) for key, entry in tune.space.items()]
+    for i, name in enumerate(metrics):
+        _check_metric(wl, name, ("tune", "objectives", i, "metric"))
+    for i, c in enumerate(tune.parsed_constraints):
+        _check_metric(wl, c.metric, ("tune", "constraints", i))
     n_trials = job.n_trials if job.n_trials is not None else tune.n_trials
     grid_size = None
     if tune.sampler == "grid":

@@ -22,29 +22,14 @@ from rich.table import Table
 
 from . import tune as T
 from .errors import InputError
+from .metrics import format_value
 
 MAX_ROWS = 30
 MAX_FAILURE_LINES = 5
 
 
-def fmt_value(name: str, value: Any) -> str:
-    """A metric or parameter value, short and readable."""
-    if value is None:
-        return "-"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return str(value)
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf.endswith("_bytes"):
-        v = float(value)
-        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-            if abs(v) < 1024 or unit == "TiB":
-                return f"{int(v)} B" if unit == "B" else f"{v:.2f} {unit}"
-            v /= 1024
-    if leaf.endswith("_rate") and 0 <= value <= 1:
-        return f"{100 * value:.2f}%"
-    if isinstance(value, int) or float(value).is_integer() and abs(value) >= 1000:
-        return f"{int(value):,}"
-    return f"{value:.4g}"
+fmt_value = format_value
+"""A metric or parameter value, short and readable (`kvbench/metrics.py`)."""
 
 
 def _header(name: str) -> str:

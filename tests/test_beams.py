@@ -215,7 +215,7 @@ def test_serve_with_beams_keeps_invariants(seed, batch_add):
     out = [s.request.output_length for s in result.requests]
     # Every beam decodes one token per step after the first (computed with the context).
     decode = sum(w * (o - 1) for w, o in zip(widths, out))
-    context = sum(s.request.input_length - s.reused for s in result.requests)
+    context = sum(s.request.input_length - s.reused_tokens for s in result.requests)
     if result.preemptions or result.ctx_alloc_failures:
         assert result.computed_tokens >= decode + context
     else:

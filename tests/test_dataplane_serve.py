@@ -103,7 +103,7 @@ def test_prefix_and_decode_reuse_with_partial_matches():
     run = Serve(chat(0))
     run.assert_verified()
     states = run.result.requests
-    assert sum(s.reused for s in states) > 0 and sum(s.reused_partial for s in states) > 0
+    assert sum(s.reused_tokens for s in states) > 0 and sum(s.reused_partial_tokens for s in states) > 0
 
 
 def test_partial_reuse_by_copy_and_by_claim():
@@ -115,7 +115,7 @@ def test_partial_reuse_by_copy_and_by_claim():
     ])
     run.assert_verified()
     assert run.manager.partial_copy_blocks == 1
-    assert [s.reused_partial for s in run.result.requests] == [0, 2, 2]
+    assert [s.reused_partial_tokens for s in run.result.requests] == [0, 2, 2]
 
 
 @pytest.mark.parametrize("batch_add", [False, True], ids=["sequential", "batch"])
@@ -125,7 +125,7 @@ def test_host_offload_with_both_add_paths(batch_add):
     run.assert_verified()
     m = run.manager
     assert m.onboard_blocks > 0 and m.offload_blocks > 0
-    assert run.result.requests and sum(s.reused_host for s in run.result.requests) > 0
+    assert run.result.requests and sum(s.reused_tokens_host for s in run.result.requests) > 0
 
 
 def test_chunked_prefill_without_reuse():

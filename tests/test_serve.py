@@ -88,7 +88,7 @@ class Run:
             assert s.phase is Phase.DONE and s.seq is None
             assert s.generated == r.output_length == self.generated[r.id]
             assert r.arrival_s <= s.first_token_s <= s.finish_s
-            assert 0 <= s.reused < r.input_length
+            assert 0 <= s.reused_tokens < r.input_length
         pool = self.manager.gpu
         assert pool.num_in_use == 0, "blocks leaked"
         assert len(pool.empty) + pool.num_cached == pool.capacity
@@ -102,7 +102,7 @@ class Run:
         m = self.manager
         return (r.iterations, r.preemptions, r.mnt_overflow_steps, r.reuse_shortfall_tokens,
                 r.computed_tokens, r.batch_wait_iterations, m.allocated_blocks, m.evicted_blocks,
-                [s.reused for s in r.requests])
+                [s.reused_tokens for s in r.requests])
 
 
 def random_requests(seed, n=12, vocab=6, max_out=14, max_len=41):
@@ -218,7 +218,7 @@ def test_pinned_schedule():
         (8, 1, [], [(1, 24)], (1,)),
     ]
     assert run.records[4].start_s == 0.03  # idle until the arrivals
-    assert [s.reused for s in run.result.requests] == [0, 8, 0]
+    assert [s.reused_tokens for s in run.result.requests] == [0, 8, 0]
 
 
 def test_delay_batching_defers_new_context_until_timeout():
@@ -284,12 +284,12 @@ def test_reuse_shortfall_overflows_mnt_with_sequential_add_only():
     batch = Run(requests, tpb=4, blocks=10, mnt=20, batch=4, batch_add=True)
     assert batch.result.reuse_shortfall_tokens == 0
     assert batch.result.mnt_overflow_steps == 0
-    assert batch.result.requests[3].reused == 16
+    assert batch.result.requests[3].reused_tokens == 16
 
 
 def test_decode_blocks_are_reused_by_the_next_turn():
     run = Run(multi_turn(), tpb=4, blocks=64)
-    reused = [s.reused for s in run.result.requests]
+    reused = [s.reused_tokens for s in run.result.requests]
     # Turn k+1 reuses turn k's prompt and answer, up to the last full block with computed KV.
     for k, (prev, nxt) in enumerate(zip(run.requests, run.requests[1:])):
         kv = prev.input_length + prev.output_length - 1
@@ -300,7 +300,7 @@ def test_decode_blocks_are_reused_by_the_next_turn():
 def test_requests_finishing_alone_and_one_token_outputs():
     run = Run([req(0, np.arange(5), 1), req(1, np.arange(5), 1, t=1.0)])
     assert [r.iterations for r in [run.result]] == [2]
-    assert run.result.requests[1].reused == 4
+    assert run.result.requests[1].reused_tokens == 4
 
 
 def test_no_chunking_waits_for_a_budget_that_fits():

@@ -52,7 +52,8 @@ class ServeRequest:
 
     __slots__ = (
         "request", "idx", "phase", "view", "seq", "context_len", "generated", "pre_tokens",
-        "reused", "reused_host", "reused_partial", "reused_full_blocks", "first_token_s", "finish_s", "d_step0", "d_pos0", "d_gen0", "finish_step",
+        "reused_tokens", "reused_tokens_host", "reused_partial_tokens", "reused_full_blocks",
+        "first_token_s", "finish_s", "d_step0", "d_pos0", "d_gen0", "finish_step",
         "version",
     )
 
@@ -70,12 +71,12 @@ class ServeRequest:
         self.pre_tokens = -1
         """Tokens `seq` had blocks for before its pending chunk was allocated (-1: none
         pending); a reverted deferral shrinks back to it."""
-        self.reused = -1
+        self.reused_tokens = -1
         """Prompt tokens reused by the add whose chunk computed first (-1: not yet)."""
-        self.reused_host = self.reused_partial = 0
+        self.reused_tokens_host = self.reused_partial_tokens = 0
         """Of those: from the host tier, by a partial match."""
         self.reused_full_blocks = 0
-        """Full blocks that add reused (its partial block, if any: `reused_partial > 0`)."""
+        """Full blocks that add reused (its partial block, if any: `reused_partial_tokens > 0`)."""
         self.first_token_s = -1.0
         self.finish_s = -1.0
         # Decoding: at step d_step0 + k the request computes position d_pos0 + k and then

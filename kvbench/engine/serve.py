@@ -119,6 +119,14 @@ class ServeResult:
     timeline: Timeline
 
 
+SERVE_COUNTERS = ("computed_tokens", "preemptions", "mnt_overflow_steps",
+                  "max_mnt_overshoot_tokens", "reuse_shortfall_tokens",
+                  "deferred_ctx_blocks_held_peak", "deferred_ctx_blocks_reverted",
+                  "batch_wait_iterations", "ctx_alloc_failures")
+"""The loop's counters: `ServeLoop` attributes, `ServeResult` fields and result metrics of
+the same name."""
+
+
 def run_serve(
     requests: Sequence[Request], manager: KVCacheManager, scheduler: Scheduler,
     clock: StepClock, **options,
@@ -136,9 +144,8 @@ class ServeLoop:
         "states", "manager", "scheduler", "clock", "revert", "batch_add", "bulk_decode",
         "on_step", "on_progress", "tpb", "mnt", "waiting", "prefilling", "decoders", "dec_k",
         "gen_tokens",
-        "events", "step", "now", "finished", "preemptions", "overflow_steps", "max_overshoot",
-        "shortfall", "held_peak", "reverted", "wait_iterations", "alloc_failures",
-        "computed_tokens", "timeline", "block_bytes", "data_plane", "_moved", "_row_reused",
+        "events", "step", "now", "finished", *SERVE_COUNTERS, "timeline", "block_bytes",
+        "data_plane", "_moved", "_row_reused",
         "_row_prompt", "_columns",
         "_tokens",
     )
@@ -177,9 +184,8 @@ class ServeLoop:
         self.step = 0
         self.now = 0.0
         self.finished = 0
-        self.preemptions = self.overflow_steps = self.max_overshoot = self.shortfall = 0
-        self.held_peak = self.reverted = self.wait_iterations = self.alloc_failures = 0
-        self.computed_tokens = 0
+        for name in SERVE_COUNTERS:
+            setattr(self, name, 0)
         self.timeline = Timeline("step", TIMELINE_COLUMNS, sums=("reused_tokens", "prompt_tokens"))
         self.block_bytes = block_bytes
         """Bytes one block moves over the host link (onboard or offload), for the clock."""
@@ -216,12 +222,7 @@ class ServeLoop:
         first = arrivals[0] if n else 0.0
         return ServeResult(
             requests=states, iterations=self.step, duration_s=self.now - first,
-            computed_tokens=self.computed_tokens, preemptions=self.preemptions,
-            mnt_overflow_steps=self.overflow_steps, max_mnt_overshoot_tokens=self.max_overshoot,
-            reuse_shortfall_tokens=self.shortfall, deferred_ctx_blocks_held_peak=self.held_peak,
-            deferred_ctx_blocks_reverted=self.reverted,
-            batch_wait_iterations=self.wait_iterations, ctx_alloc_failures=self.alloc_failures,
-            timeline=self.timeline,
+            timeline=self.timeline, **{name: getattr(self, name) for name in SERVE_COUNTERS},
         )
 
     # --- one step -------------------------------------------------------------------------
@@ -247,7 +248,7 @@ class ServeLoop:
         scheduled = gen_tokens + sum(w.chunk for w in work)
         deferred: tuple[int, ...] = ()
         if work and self.scheduler.defer(scheduled, len(work), num_gen):
-            self.wait_iterations += 1
+            self.batch_wait_iterations += 1
             deferred = tuple(w.req.request.id for w in work)
             self._hold_or_revert(work)
             work, scheduled = [], gen_tokens
@@ -284,10 +285,10 @@ class ServeLoop:
             pairs += c * w.start + c * (c + 1) // 2
             kv += w.end
             if w.new and w.estimated > w.start:
-                self.shortfall += w.estimated - w.start
+                self.reuse_shortfall_tokens += w.estimated - w.start
         if tokens > self.mnt:
-            self.overflow_steps += 1
-            self.max_overshoot = max(self.max_overshoot, tokens - self.mnt)
+            self.mnt_overflow_steps += 1
+            self.max_mnt_overshoot_tokens = max(self.max_mnt_overshoot_tokens, tokens - self.mnt)
         self.computed_tokens += tokens
         mgr = self.manager
         moved = mgr.onboard_blocks + mgr.offload_blocks
@@ -396,7 +397,7 @@ class ServeLoop:
             if w.end > seq.num_tokens and not mgr.resize(seq, w.end):
                 # Only a new request whose reuse fell short can miss its blocks: the plan
                 # reserved the rest. It waits (without its sequence) for a later step.
-                self.alloc_failures += 1
+                self.ctx_alloc_failures += 1
                 self._unplace(r)
                 continue
             placed.append(w)
@@ -410,15 +411,15 @@ class ServeLoop:
         if not self.revert:
             held = sum(w.req.seq.num_blocks - mgr.grow_blocks(w.req.view, 0, w.req.pre_tokens)
                        for w in work)
-            self.held_peak = max(self.held_peak, held)
+            self.deferred_ctx_blocks_held_peak = max(self.deferred_ctx_blocks_held_peak, held)
             return
         for w in work:
             r = w.req
             if w.new:
-                self.reverted += r.seq.num_blocks
+                self.deferred_ctx_blocks_reverted += r.seq.num_blocks
                 self._unplace(r)
             else:
-                self.reverted += mgr.shrink(r.seq, r.pre_tokens)
+                self.deferred_ctx_blocks_reverted += mgr.shrink(r.seq, r.pre_tokens)
                 r.pre_tokens = -1
 
     def _finish_context(self, work: list[ContextWork]) -> list[int]:
@@ -431,12 +432,12 @@ class ServeLoop:
             seq = r.seq
             mgr.commit(seq, w.end)
             r.pre_tokens = -1
-            if r.reused < 0:
-                r.reused = seq.reused_tokens
-                r.reused_host = seq.reused_tokens_host
-                r.reused_partial = seq.partial_tokens
+            if r.reused_tokens < 0:
+                r.reused_tokens = seq.reused_tokens
+                r.reused_tokens_host = seq.reused_tokens_host
+                r.reused_partial_tokens = seq.partial_tokens
                 r.reused_full_blocks = seq.reused_full_blocks
-                self._row_reused += r.reused
+                self._row_reused += r.reused_tokens
                 self._row_prompt += r.request.input_length
             if w.end < r.context_len:
                 continue

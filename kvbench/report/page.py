@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..compare import MergedRun, merge_repeats
 from .plots import plot_bars, plot_blocks, plot_hit_rate
-from .tables import SECTIONS
+from .tables import table_rows
 
 
 def write_report(result: dict, out_dir: str | Path) -> list[Path]:
@@ -52,14 +52,8 @@ Table = tuple[list[str], list[tuple[str, list[str]]]]
 
 def _table(runs: list[MergedRun]) -> Table:
     header = ["metric"] + [r.variant for r in runs]
-    rows = []
-    for section, entries in SECTIONS:
-        for key, label, fmt in entries:
-            values = [r.metrics.get(key) for r in runs]
-            if any(v is not None for v in values):
-                rows.append((section, [label.strip()] + [fmt(v) if v is not None else "-"
-                                                          for v in values]))
-    return header, rows
+    return header, [(section, [label.strip(), *cells])
+                    for section, label, cells in table_rows([r.metrics for r in runs])]
 
 
 def _html(title: str, facts: list[str], sections) -> str:

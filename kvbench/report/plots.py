@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..compare import MergedRun, flatten_metrics
+from ..metrics import metric
 
 PLOT_KINDS = ("blocks", "hit_rate", "bars")
 """blocks and hit_rate: one PNG per run (from its timeline); bars: one PNG per workload."""
@@ -23,48 +24,43 @@ ROLLING_FRACTION = 20
 _STATES = ("in_use", "cached", "free")
 _STATE_COLORS = ("#d62728", "#1f77b4", "#c7c7c7")
 
-HEADLINE: tuple[tuple[str, tuple[str, ...], bool], ...] = (
-    ("hit rate", ("hit_rate", "optimal_hit_rate", "ideal_hit_rate"), True),
-    ("peak GPU blocks", ("peak_gpu_blocks",), False),
-    ("evicted blocks", ("evicted_blocks",), False),
-    ("reused tokens from host", ("reused_tokens_host",), False),
-    ("MNT overflow steps", ("mnt_overflow_steps",), False),
-    ("scratch slots peak", ("scratch_slots_peak",), False),
-    ("throughput (tokens/s)", ("throughput_tokens_per_s",), False),
-    ("TTFT (ms)", ("ttft_ms.p50", "ttft_ms.p99"), False),
-    ("TPOT (ms)", ("tpot_ms.p50", "tpot_ms.p99"), False),
+HEADLINE: tuple[tuple[str, ...], ...] = (
+    ("hit_rate", "optimal_hit_rate", "ideal_hit_rate"),
+    ("peak_gpu_blocks",),
+    ("evicted_blocks",),
+    ("reused_tokens_host",),
+    ("mnt_overflow_steps",),
+    ("scratch_slots_peak",),
+    ("throughput_tokens_per_s",),
+    ("ttft_ms.p50", "ttft_ms.p99"),
+    ("tpot_ms.p50", "tpot_ms.p99"),
 )
-"""(title, metrics, is a fraction) of each bar panel; a panel whose values are all zero or
-absent is left out."""
+"""The metrics of each bar panel; its title is the first one's registry label, a fraction
+gets a 0..100 % axis; a panel whose values are all zero or absent is left out."""
 
 
 def plot_blocks(run: MergedRun, path: Path) -> Path | None:
-    """GPU blocks over time, stacked in use / cached / free; a second panel for the host tier
-    when the timeline has `host_in_use`, `host_cached`, `host_free`.
+    """GPU blocks over time, stacked in use / cached / free.
 
-    Cached is drawn as what in use and free leave of the tier's total (`gpu_blocks_total`,
-    `host_blocks_total`), so the stack is always the whole pool: cache mode samples in use at
-    a request's peak but cached and free after its release, when its blocks are cached."""
+    Cached is drawn as what in use and free leave of `gpu_blocks_total`, so the stack is
+    always the whole pool: cache mode samples in use at a request's peak but cached and free
+    after its release, when its blocks are cached."""
     cols = run.timeline.get("columns") or {}
     if not all(s in cols for s in _STATES):
         return None
-    tiers = [("GPU", "", "gpu_blocks_total")]
-    if all("host_" + s in cols for s in _STATES):
-        tiers.append(("host", "host_", "host_blocks_total"))
-    fig, axes = _figure(len(tiers), 1, (9, 3.2 * len(tiers)))
+    fig, axes = _figure(1, 1, (9, 3.2))
     x = _x(run.timeline)
-    for ax, (label, prefix, total_key) in zip(axes[:, 0], tiers):
-        in_use = np.asarray(cols[prefix + "in_use"])
-        free = np.asarray(cols[prefix + "free"])
-        total = run.metrics.get(total_key)
-        cached = (np.maximum(total - in_use - free, 0) if total is not None
-                  else np.asarray(cols[prefix + "cached"]))
-        ax.stackplot(x, in_use, cached, free, labels=[s.replace("_", " ") for s in _STATES],
-                     colors=_STATE_COLORS, step="post")
-        ax.set_ylabel(f"{label} blocks")
-        ax.set_xlim(x[0], x[-1] if len(x) > 1 else x[0] + 1)
-        ax.legend(loc="upper right", fontsize="small")
-    axes[-1, 0].set_xlabel(_x_label(run.timeline))
+    ax = axes[0, 0]
+    in_use, free = np.asarray(cols["in_use"]), np.asarray(cols["free"])
+    total = run.metrics.get("gpu_blocks_total")
+    cached = (np.maximum(total - in_use - free, 0) if total is not None
+              else np.asarray(cols["cached"]))
+    ax.stackplot(x, in_use, cached, free, labels=[s.replace("_", " ") for s in _STATES],
+                 colors=_STATE_COLORS, step="post")
+    ax.set_ylabel("GPU blocks")
+    ax.set_xlim(x[0], x[-1] if len(x) > 1 else x[0] + 1)
+    ax.legend(loc="upper right", fontsize="small")
+    ax.set_xlabel(_x_label(run.timeline))
     fig.suptitle(f"{run.workload} / {run.variant}: blocks over time")
     return _save(fig, path)
 
@@ -108,8 +104,8 @@ def plot_hit_rate(run: MergedRun, path: Path) -> Path | None:
 def plot_bars(workload: str, runs: list[MergedRun], path: Path) -> Path | None:
     """Per-variant bars of the headline metrics, one panel per metric group."""
     flat = [flatten_metrics(r.metrics) for r in runs]
-    panels = [(title, keys, fraction) for title, keys, fraction in HEADLINE
-              if any(_num(m.get(k)) for m in flat for k in keys)]
+    panels = [(_panel_title(keys), keys, metric(keys[0]).unit == "fraction")
+              for keys in HEADLINE if any(_num(m.get(k)) for m in flat for k in keys)]
     if not panels:
         return None
     ncols = min(3, len(panels))
@@ -136,6 +132,13 @@ def plot_bars(workload: str, runs: list[MergedRun], path: Path) -> Path | None:
         ax.set_visible(False)
     fig.suptitle(f"{workload}: headline metrics by variant")
     return _save(fig, path)
+
+
+def _panel_title(keys: tuple[str, ...]) -> str:
+    m = metric(keys[0])
+    if "." in keys[0]:  # a percentile panel: its leaves are the legend
+        return f"{m.title.split(' ')[0]} ({m.unit})"
+    return m.title + (f" ({m.unit})" if m.unit in ("ms", "s", "tokens/s") else "")
 
 
 def _figure(nrows: int, ncols: int, size: tuple[float, float]):

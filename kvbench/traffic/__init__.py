@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.errors import InputError
+from kvbench.metrics import percentile_summary
 from kvbench.traffic.mooncake import read_mooncake
 from kvbench.traffic.request import Request
 from kvbench.traffic.synthetic import generate
@@ -62,24 +63,11 @@ def trace_stats(
         "rate_rps": n / duration if duration > 0 else None,
         "prompt_tokens": prompt_tokens,
         "output_tokens": int(outputs.sum()),
-        "input_length": _summary(inputs),
-        "output_length": _summary(outputs),
+        "input_length": percentile_summary(inputs, with_max=True),
+        "output_length": percentile_summary(outputs, with_max=True),
         "ideal_hit_rate": {
             bs: (reused[bs] / prompt_tokens if prompt_tokens else 0.0) for bs in block_sizes
         },
-    }
-
-
-def _summary(values: np.ndarray) -> dict[str, float]:
-    if not len(values):
-        return {k: 0.0 for k in ("p50", "p90", "p99", "mean", "max")}
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return {
-        "p50": float(p50),
-        "p90": float(p90),
-        "p99": float(p99),
-        "mean": float(values.mean()),
-        "max": float(values.max()),
     }
 
 

@@ -109,7 +109,7 @@ def format_number(v) -> str:
 
 # --- the registry ------------------------------------------------------------------------------
 
-CACHE, SERVE, BOTH = ("cache",), ("serve",), ("cache", "serve")
+SERVE, BOTH = ("serve",), ("cache", "serve")
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,7 +66,7 @@ def run(
         if not quiet:
             err.print(f"wrote {json_path}")
     if update_baseline is not None:
-        from .compare import baseline_of
+        from .results import baseline_of
 
         write_json_atomic(update_baseline, baseline_of(result))
         if not quiet:
@@ -87,11 +87,21 @@ def validate(
 
 
 @app.command()
-def schema() -> None:
-    """Print the JSON Schema of workload files (for editor completion)."""
-    from .config import workload_json_schema
+def schema(
+    result: Annotated[bool, typer.Option(
+        "--result", help="The schema of result JSON files instead (every metric described).",
+    )] = False,
+) -> None:
+    """Print the JSON Schema of workload files (for editor completion), or of results."""
+    if result:
+        from .results import result_json_schema
 
-    sys.stdout.write(json.dumps(workload_json_schema(), indent=2) + "\n")
+        doc = result_json_schema()
+    else:
+        from .config import workload_json_schema
+
+        doc = workload_json_schema()
+    sys.stdout.write(json.dumps(doc, indent=2) + "\n")
 
 
 @app.command()

@@ -27,13 +27,12 @@ silent pass. Runs only in the current result are listed as not guarded yet.
 from __future__ import annotations
 
 import html
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InputError
 from .metrics import Rule, format_number, metric
-from .results import read_result
+from .results import flatten_metrics, is_number, merge_repeats, read_result
 
 DEFAULT_TIMING_TOLERANCE = 0.10
 """Relative tolerance of measured timings (median of repeats, same device)."""
@@ -48,18 +47,6 @@ DEVICE_KEYS = ("device", "gpu", "machine", "platform", "cpu_count")
 FAILING = ("regressed", "mismatch", "missing")
 STATUS_ORDER = ("regressed", "mismatch", "missing", "improved", "changed", "new", "skipped",
                 "info", "ok")
-
-
-@dataclass(slots=True)
-class MergedRun:
-    """The runs of one (workload, variant) in one result, repeats merged."""
-
-    workload: str
-    variant: str
-    metrics: dict
-    config: dict
-    timeline: dict
-    repeats: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,38 +145,6 @@ def compare_results(base: dict, new: dict, *, timing_tolerance: float = DEFAULT_
         same_device=same_device, runs=runs,
         unguarded=[f"{w}/{v}" for w, v in new_runs if (w, v) not in base_runs],
     )
-
-
-def merge_repeats(result: dict) -> dict[tuple[str, str], MergedRun]:
-    """Runs by (workload, variant) in first-seen order; repeats merged: numbers by the median
-    (per key for nested metrics), anything else and the timeline from the first repeat."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    default_workload = (result.get("workload") or {}).get("name", "workload")
-    for run in result["runs"]:
-        groups.setdefault((run.get("workload", default_workload), run["variant"]), []).append(run)
-    return {
-        key: MergedRun(key[0], key[1], _median_metrics([r.get("metrics") or {} for r in runs]),
-                       runs[0].get("config") or {}, runs[0].get("timeline") or {}, len(runs))
-        for key, runs in groups.items()
-    }
-
-
-def baseline_of(result: dict) -> dict:
-    """The result as a baseline: timelines dropped (compare never reads them; they would only
-    bloat the committed file and its diffs)."""
-    return {**result, "runs": [{k: v for k, v in run.items() if k != "timeline"}
-                               for run in result["runs"]]}
-
-
-def flatten_metrics(metrics: dict, prefix: str = "") -> dict:
-    """Nested metrics as dotted names: {"ttft_ms": {"p50": 1}} -> {"ttft_ms.p50": 1}."""
-    flat = {}
-    for key, value in metrics.items():
-        if isinstance(value, dict):
-            flat.update(flatten_metrics(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def device_of(environment: dict) -> tuple:
@@ -326,7 +281,7 @@ class _Judge:
         elif rule.scope == "device" and not self.same_device:
             return MetricRow(name, b, n, "skipped", note="different device")
         tolerance = _tolerance_text(abs_tol, rel_tol)
-        if not (_is_number(b) and _is_number(n)):
+        if not (is_number(b) and is_number(n)):
             same = b == n
             status = "ok" if same else ("mismatch" if rule.better == "match" else "changed")
             return MetricRow(name, b, n, status, tolerance)
@@ -341,25 +296,6 @@ class _Judge:
         return MetricRow(name, b, n, "improved" if better else "regressed", tolerance)
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float))  # bools too: True beats False
-
-
-def _median_metrics(repeats: list[dict]) -> dict:
-    if len(repeats) == 1:
-        return repeats[0]
-    merged = {}
-    for key, first in repeats[0].items():
-        values = [m.get(key) for m in repeats]
-        if isinstance(first, dict) and all(isinstance(v, dict) for v in values):
-            merged[key] = _median_metrics(values)
-        elif all(_is_number(v) and not isinstance(v, bool) for v in values):
-            merged[key] = statistics.median(values)
-        else:
-            merged[key] = first
-    return merged
-
-
 def _config_changes(base: dict, new: dict, limit: int = 5) -> list[str]:
     flat_base, flat_new = flatten_metrics(base), flatten_metrics(new)
     changed = [f"{k} {format_number(flat_base.get(k))} -> {format_number(flat_new.get(k))}"
@@ -372,7 +308,7 @@ def _config_changes(base: dict, new: dict, limit: int = 5) -> list[str]:
 
 
 def _change(b, n) -> str:
-    if not (_is_number(b) and _is_number(n)) or isinstance(b, bool) or isinstance(n, bool):
+    if not (is_number(b) and is_number(n)) or isinstance(b, bool) or isinstance(n, bool):
         return ""
     diff = n - b
     if diff == 0:

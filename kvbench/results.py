@@ -1,4 +1,7 @@
-"""The result JSON (DESIGN.md section 4, pinned): building, atomic writing, reading."""
+"""The result JSON (DESIGN.md section 4, pinned): building, atomic writing, reading and
+checking it, merging repeats, flattening nested metrics. Imports no engine, cache, config,
+numpy or torch: `kvbench compare` and `kvbench report` load only this and the metric registry.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +10,44 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .errors import InputError
-from .runner import RunOutcome
+from .metrics import json_schema as metrics_json_schema
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .config import Workload
 
 SCHEMA_VERSION = 1
+
+
+@dataclass(slots=True)
+class RunOutcome:
+    """One run of one variant, as the runner hands it over."""
+
+    variant: str
+    workload: Workload
+    metrics: dict
+    timeline: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class MergedRun:
+    """The runs of one (workload, variant) in one result, repeats merged."""
+
+    workload: str
+    variant: str
+    metrics: dict
+    config: dict
+    timeline: dict
+    repeats: int
 
 
 def environment() -> dict:
@@ -116,3 +147,86 @@ def read_result(path: str | Path) -> dict:
         raise InputError(
             f"{path}: schema_version {data['schema_version']} is not {SCHEMA_VERSION}")
     return data
+
+
+def merge_repeats(result: dict) -> dict[tuple[str, str], MergedRun]:
+    """Runs by (workload, variant) in first-seen order; repeats merged: numbers by the median
+    (per key for nested metrics), anything else and the timeline from the first repeat."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    default_workload = (result.get("workload") or {}).get("name", "workload")
+    for run in result["runs"]:
+        groups.setdefault((run.get("workload", default_workload), run["variant"]), []).append(run)
+    return {
+        key: MergedRun(key[0], key[1], _median_metrics([r.get("metrics") or {} for r in runs]),
+                       runs[0].get("config") or {}, runs[0].get("timeline") or {}, len(runs))
+        for key, runs in groups.items()
+    }
+
+
+def baseline_of(result: dict) -> dict:
+    """The result as a baseline: timelines dropped (compare never reads them; they would only
+    bloat the committed file and its diffs)."""
+    return {**result, "runs": [{k: v for k, v in run.items() if k != "timeline"}
+                               for run in result["runs"]]}
+
+
+def flatten_metrics(metrics: dict, prefix: str = "") -> dict:
+    """Nested metrics as dotted names: {"ttft_ms": {"p50": 1}} -> {"ttft_ms.p50": 1}."""
+    flat = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            flat.update(flatten_metrics(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float))  # bools too: True beats False
+
+
+def _median_metrics(repeats: list[dict]) -> dict:
+    if len(repeats) == 1:
+        return repeats[0]
+    merged = {}
+    for key, first in repeats[0].items():
+        values = [m.get(key) for m in repeats]
+        if isinstance(first, dict) and all(isinstance(v, dict) for v in values):
+            merged[key] = _median_metrics(values)
+        elif all(is_number(v) and not isinstance(v, bool) for v in values):
+            merged[key] = statistics.median(values)
+        else:
+            merged[key] = first
+    return merged
+
+
+def result_json_schema() -> dict:
+    """The JSON Schema of a result file (`kvbench schema --result`); its metrics are the
+    registry's (`kvbench/metrics.py`)."""
+    text = {"type": ["string", "null"]}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "kvbench result",
+        "type": "object",
+        "required": ["schema_version", "kvbench_version", "workload", "environment", "runs"],
+        "properties": {
+            "schema_version": {"const": SCHEMA_VERSION},
+            "kvbench_version": {"type": "string"},
+            "workload": {"$ref": "#/$defs/workload"},
+            "workloads": {"type": "array", "items": {"$ref": "#/$defs/workload"}},
+            "environment": {"type": "object", "description": "Where it ran: python, platform, "
+                            "machine, cpu, cpu_count, device (GPU names or cpu), argv."},
+            "runs": {"type": "array", "items": {
+                "type": "object", "required": ["variant", "metrics"],
+                "properties": {
+                    "workload": {"type": "string"},
+                    "variant": {"type": "string"},
+                    "config": {"type": "object", "description": "The resolved workload."},
+                    "metrics": metrics_json_schema(),
+                    "timeline": {"type": "object", "description": "Thinned per-step columns: "
+                                 "{x, stride, columns: {name: [int]}}."},
+                }}},
+        },
+        "$defs": {"workload": {"type": "object", "properties": {
+            "name": {"type": "string"}, "path": text, "sha256": text}}},
+    }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from .cache.manager import CacheSpec, KVCacheManager, grow_blocks
 from .cache.windows import (LifeCycle, WindowedCacheManager, life_cycles,
@@ -17,19 +16,12 @@ from .engine.serve import SERVE_COUNTERS, run_serve
 from .errors import InputError
 from .metrics import percentile_summary, unregistered
 from .oracle import reference_hit_rates
+from .results import RunOutcome
 from .traffic import Request, load_requests
 from .traffic.decoding import apply_decoding
 
 ProgressFactory = Callable[[str, int], Callable[[int], None]]
 """(description, total) -> advance(n): how a run reports progress (a rich bar in the CLI)."""
-
-
-@dataclass(slots=True)
-class RunOutcome:
-    variant: str
-    workload: Workload
-    metrics: dict
-    timeline: dict = field(default_factory=dict)
 
 
 def block_bytes(workload: Workload) -> int:

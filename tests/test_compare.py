@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.compare import baseline_of, compare_results, merge_repeats
+from kvbench.compare import compare_results
+from kvbench.results import baseline_of, merge_repeats
 from kvbench.config import load_workload
 from kvbench.errors import InputError
 from kvbench.results import build_result

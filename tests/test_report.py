@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.compare import merge_repeats
+from kvbench.results import merge_repeats
 from kvbench.config import load_workload
 from kvbench.report.page import write_report
 from kvbench.report.plots import PLOT_KINDS, plot_bars, plot_blocks, plot_hit_rate

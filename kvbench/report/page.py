@@ -7,7 +7,7 @@ import html
 import re
 from pathlib import Path
 
-from ..compare import MergedRun, merge_repeats
+from ..results import MergedRun, merge_repeats
 from .plots import plot_bars, plot_blocks, plot_hit_rate
 from .tables import table_rows
 

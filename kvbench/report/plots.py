@@ -1,6 +1,6 @@
 """PNG plots of a result, headless: figures are built with matplotlib's object API and saved with
-its Agg canvas (no pyplot, no display, no global state). matplotlib is imported inside the
-functions so that `kvbench run` and `kvbench compare` never pay for it.
+its Agg canvas (no pyplot, no display, no global state). matplotlib and numpy are imported
+inside the functions so that `kvbench run` and `kvbench compare` never pay for them.
 
 Each function returns the path it wrote, or None when the run has nothing to plot for that kind
 (a timeline without those columns, a workload without any headline metric).
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
-from ..compare import MergedRun, flatten_metrics
+from ..results import MergedRun, flatten_metrics
 from ..metrics import metric
 
 PLOT_KINDS = ("blocks", "hit_rate", "bars")
@@ -45,6 +43,8 @@ def plot_blocks(run: MergedRun, path: Path) -> Path | None:
     Cached is drawn as what in use and free leave of `gpu_blocks_total`, so the stack is
     always the whole pool: cache mode samples in use at a request's peak but cached and free
     after its release, when its blocks are cached."""
+    import numpy as np
+
     cols = run.timeline.get("columns") or {}
     if not all(s in cols for s in _STATES):
         return None
@@ -67,6 +67,8 @@ def plot_blocks(run: MergedRun, path: Path) -> Path | None:
 
 def plot_hit_rate(run: MergedRun, path: Path) -> Path | None:
     """Rolling and cumulative hit rate over time, with the run's optimal and ideal hit rates."""
+    import numpy as np
+
     cols = run.timeline.get("columns") or {}
     if "reused_tokens" not in cols or "prompt_tokens" not in cols:
         return None
@@ -103,6 +105,8 @@ def plot_hit_rate(run: MergedRun, path: Path) -> Path | None:
 
 def plot_bars(workload: str, runs: list[MergedRun], path: Path) -> Path | None:
     """Per-variant bars of the headline metrics, one panel per metric group."""
+    import numpy as np
+
     flat = [flatten_metrics(r.metrics) for r in runs]
     panels = [(_panel_title(keys), keys, metric(keys[0]).unit == "fraction")
               for keys in HEADLINE if any(_num(m.get(k)) for m in flat for k in keys)]
@@ -162,9 +166,11 @@ def _percent_formatter():
     return PercentFormatter(1.0)
 
 
-def _x(timeline: dict) -> np.ndarray:
+def _x(timeline: dict):
     """Where each row sits: its own `step` column when it has one (a serve-mode row may stand
     for a run of decode steps), else its position times the thinning stride."""
+    import numpy as np
+
     cols = timeline["columns"]
     if "step" in cols:
         return np.asarray(cols["step"])

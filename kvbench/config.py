@@ -242,6 +242,43 @@ class SchedulerConfig(_Section):
     )
 
 
+class SpeculativeConfig(_Section):
+    """Speculative decoding in serve mode (TensorRT-LLM's speculative_config and the extra KV
+    tokens its resource manager adds after `add_sequence_batch`)."""
+
+    max_draft_len: int = Field(
+        0, ge=0, le=64, description="Draft tokens verified per decode step (k); 0 = off."
+    )
+    acceptance_rate: float = Field(
+        0.7,
+        ge=0,
+        le=1,
+        description="Chance each draft token is accepted given the ones before it were;"
+        " a step yields 1..k+1 tokens (seeded by run.seed).",
+    )
+    num_extra_kv_tokens: int = Field(
+        0, ge=0, description="KV tokens reserved past a sequence's tokens every step."
+    )
+    num_extra_decoding_steps: int = Field(
+        0, ge=0, description="Further decoding steps' tokens reserved the same way."
+    )
+    draft_model: ModelConfig | None = Field(
+        None,
+        description="A separate draft model with its own KV cache mirroring the target's"
+        " blocks (its shape; both caches share the cache.max_tokens byte budget);"
+        " null = drafts from the target itself (MTP / Eagle-3 one-model).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_draft_len > 0 or self.draft_model is not None
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV tokens a sequence holds past its computed ones besides the step's drafts."""
+        return self.num_extra_kv_tokens + self.num_extra_decoding_steps
+
+
 class SyntheticConfig(_Section):
     """Synthetic traffic generator."""
 
@@ -520,6 +557,10 @@ class Workload(_Section):
         default_factory=SchedulerConfig, description="Serve-mode scheduler."
     )
     requests: RequestsConfig = Field(default_factory=RequestsConfig, description="Request source.")
+    speculative: SpeculativeConfig = Field(
+        default_factory=SpeculativeConfig,
+        description="Speculative decoding: draft tokens, acceptance, extra KV, draft model.",
+    )
     run: RunConfig = Field(
         default_factory=RunConfig, description="Mode, data-plane backend, seed and verification."
     )

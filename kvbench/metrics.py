@@ -128,7 +128,8 @@ class Metric:
     needs: str = ""
     """What else a run needs to produce it (in one of its modes at least): windows (a
     sliding-window layer), data_plane (`run.backend` other than none), cuda (a data plane on
-    a CUDA device)."""
+    a CUDA device), speculative (speculative decoding), draft (a draft model),
+    draft_data_plane (both)."""
     nullable: bool = False
     """May be null (not applicable to this run)."""
     pinned: bool = False
@@ -169,6 +170,12 @@ _m("reused_full_blocks", "count", "blocks", "  full blocks reused", "Reuse", _c,
    description="Full blocks reused.")
 _m("reused_partial_blocks", "count", "blocks", "  partial blocks reused", "Reuse", _c, EITHER,
    description="Partially matched blocks reused (at most one per request).")
+_m("draft_reused_full_blocks", "count", "blocks", "draft cache: full blocks reused", "Reuse",
+   _c, EITHER, SERVE, needs="draft",
+   description="Full blocks the draft model's cache reused (speculative.draft_model).")
+_m("draft_reused_partial_blocks", "count", "blocks", "draft cache: partial blocks reused",
+   "Reuse", _c, EITHER, SERVE, needs="draft",
+   description="Partially matched blocks the draft model's cache reused.")
 _m("hit_rate", "number", "fraction", "hit rate", "Reuse", _f, Rule("higher", abs_tol=RATE_EPS),
    pinned=True, description="reused_tokens / prompt_tokens.")
 _m("optimal_hit_rate", "number", "fraction", "optimal hit rate (same capacity)", "Reuse", _f,
@@ -186,6 +193,16 @@ _m("peak_gpu_blocks", "count", "blocks", "GPU blocks peak (in use)", "Memory", _
    pinned=True, description="Most GPU blocks running requests held at once.")
 _m("peak_gpu_bytes", "count", "bytes", "GPU bytes peak", "Memory", _b, LOWER, pinned=True,
    description="peak_gpu_blocks weighed by each pool's slot size.")
+_m("draft_gpu_blocks_total", "count", "blocks", "draft cache: GPU blocks total", "Memory", _c,
+   MATCH, SERVE, needs="draft",
+   description="The draft model's cache blocks (as many as the target's: it mirrors them).")
+_m("draft_peak_gpu_blocks", "count", "blocks", "draft cache: GPU blocks peak", "Memory", _c,
+   LOWER, SERVE, needs="draft", description="Most draft-cache blocks held at once.")
+_m("draft_peak_gpu_bytes", "count", "bytes", "draft cache: GPU bytes peak", "Memory", _b, LOWER,
+   SERVE, needs="draft", description="draft_peak_gpu_blocks x the draft's block size.")
+_m("peak_kv_bytes", "count", "bytes", "all KV caches: GPU bytes peak", "Memory", _b, LOWER,
+   SERVE, needs="draft",
+   description="Most GPU bytes all KV caches (target and draft) held at once.")
 _m("host_blocks_total", "count", "blocks", "host blocks total", "Memory", _c, MATCH, pinned=True,
    description="Host-tier blocks (host_offload_ratio x GPU blocks).")
 _m("peak_host_blocks", "count", "blocks", "host blocks peak", "Memory", _c, EITHER, pinned=True,
@@ -250,6 +267,16 @@ _m("ctx_alloc_failures", "count", "requests", "context adds short of blocks", "S
    LOWER, SERVE, description="New context requests that waited for their chunk's blocks.")
 _m("batch_wait_iterations", "count", "steps", "iterations waited (delay batching)", "Serving",
    _c, EITHER, SERVE, pinned=True, description="Steps in which delay batching deferred work.")
+_m("draft_tokens", "count", "tokens", "draft tokens verified", "Serving", _c, EITHER, SERVE,
+   needs="speculative", description="Draft tokens the decode steps verified.")
+_m("accepted_draft_tokens", "count", "tokens", "draft tokens accepted", "Serving", _c, EITHER,
+   SERVE, needs="speculative", description="Verified draft tokens that were accepted.")
+_m("draft_acceptance", "number", "fraction", "draft acceptance", "Serving", _f, RATE_MATCH,
+   SERVE, needs="speculative", nullable=True,
+   description="accepted_draft_tokens / draft_tokens (seeded draws; null: no drafts).")
+_m("tokens_per_decode_step", "number", "tokens", "tokens per decode step", "Serving",
+   format_small, HIGHER, SERVE, needs="speculative", nullable=True,
+   description="Tokens a decoder's step yielded on average (1..max_draft_len + 1).")
 _m("deferred_ctx_blocks_reverted", "count", "blocks", "deferred ctx blocks reverted",
    "Serving", _c, EITHER, SERVE, pinned=True,
    description="Blocks deferred requests returned at once (revert_deferred_ctx).")
@@ -264,6 +291,12 @@ _m("max_abs_err", "number", "", "max abs error", "Data plane", format_small,
    description="Largest attention output error against the dense recomputation.")
 _m("verify_mismatch", "text", "", "first mismatch", "Data plane", str, INFO, needs="data_plane",
    nullable=True, description="The first mismatch the verifier found (null: none).")
+_m("draft_verified", "bool", "", "draft cache verified", "Data plane", str, HIGHER,
+   SERVE, needs="draft_data_plane", nullable=True,
+   description="The draft model's KV and attention matched (null: nothing checked).")
+_m("draft_max_abs_err", "number", "", "draft max abs error", "Data plane", format_small,
+   Rule("lower", abs_tol=1e-4, rel_tol=1.0, scope="device"), SERVE, needs="draft_data_plane",
+   nullable=True, description="Largest draft attention output error.")
 _m("data_plane_backend", "text", "", "data plane backend", "Data plane", str, MATCH,
    needs="data_plane", description="The attention backend that ran (torch, flashinfer).")
 _m("data_plane_steps", "count", "steps", "data plane steps", "Data plane", _c, EITHER,

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 from .cache.manager import CacheSpec, KVCacheManager, grow_blocks
+from .cache.mirror import MirroredCacheManager
 from .cache.windows import (LifeCycle, WindowedCacheManager, life_cycles,
                             prefill_blocks_bound, split_gpu_blocks)
 from .config import Workload, resolve_path
@@ -13,6 +14,7 @@ from .engine.cache_mode import replay_cache_mode
 from .engine.clock import HOST_LINK_EFFICIENCY, StepClock, hardware_from_config
 from .engine.scheduler import Scheduler
 from .engine.serve import SERVE_COUNTERS, run_serve
+from .engine.speculative import Speculation
 from .errors import InputError
 from .metrics import percentile_summary, unregistered
 from .oracle import reference_hit_rates
@@ -30,9 +32,23 @@ def block_bytes(workload: Workload) -> int:
     return workload.cache.tokens_per_block * m.num_layers * m.kv_bytes_per_token_per_layer
 
 
+def draft_block_bytes(workload: Workload) -> int:
+    """Bytes of one block of the draft model's cache (0 without a draft model)."""
+    d = workload.speculative.draft_model
+    if d is None:
+        return 0
+    return workload.cache.tokens_per_block * d.num_layers * d.kv_bytes_per_token_per_layer
+
+
 def cache_spec(workload: Workload, *, emit_copy_ops: bool = False) -> CacheSpec:
+    """The target model's cache. With a draft model, the `max_tokens` byte budget holds a
+    target block and its mirrored draft block per block (TensorRT-LLM sizes both caches with
+    the per-token size of both models)."""
     c = workload.cache
     gpu_blocks = c.max_tokens // c.tokens_per_block
+    if workload.speculative.draft_model is not None:
+        budget = gpu_blocks * block_bytes(workload)
+        gpu_blocks = budget // (block_bytes(workload) + draft_block_bytes(workload))
     return CacheSpec(
         tokens_per_block=c.tokens_per_block,
         num_gpu_blocks=gpu_blocks,
@@ -86,6 +102,14 @@ def _check_supported(wl: Workload) -> None:
     if _windowed(wl) and (wl.requests.beam_width > 1 or any(
             w > 1 for w in wl.requests.beam_widths or ())):
         unsupported.append("beam search (requests.beam_width > 1) with sliding-window layers")
+    sp = wl.speculative
+    if sp.enabled:
+        if wl.run.mode != "serve":
+            unsupported.append("speculative decoding outside run.mode: serve")
+        if _windowed(wl):
+            unsupported.append("speculative decoding with sliding-window layers")
+        if wl.requests.beam_width > 1 or any(w > 1 for w in wl.requests.beam_widths or ()):
+            unsupported.append("speculative decoding with beam search (as TensorRT-LLM)")
     if unsupported:
         raise InputError(
             f"{_where(wl)}: not supported by this kvbench build: {', '.join(unsupported)}")
@@ -97,23 +121,25 @@ def _windowed(wl: Workload) -> bool:
 
 
 def _open_data_plane(wl: Workload, spec: CacheSpec,
-                     windowed: WindowedCacheManager | None = None):
+                     windowed: WindowedCacheManager | None = None, model=None):
     """The data plane for `run.backend` (None for `none`); torch is imported only here.
-    With a `windowed` manager, one tensor per life cycle's pool."""
+    With a `windowed` manager, one tensor per life cycle's pool; `model` is another model's
+    shape (the draft's) instead of the workload's."""
+    model = wl.model if model is None else model
     if wl.run.backend == "none":
         return None
     from .kernels.dataplane import open_data_plane
     from .kernels.step import BackendUnavailable, PoolSpec
 
     if windowed is None:
-        pools = [PoolSpec(tuple(range(wl.model.num_layers)), spec.num_gpu_blocks,
+        pools = [PoolSpec(tuple(range(model.num_layers)), spec.num_gpu_blocks,
                           num_host_slots=spec.num_host_blocks)]
     else:
         pools = [PoolSpec(c.layers, m.gpu.capacity, window=c.window,
                           num_host_slots=m.host.capacity if m.host is not None else 0)
                  for c, m in zip(windowed.cycles, windowed.managers)]
     try:
-        return open_data_plane(wl.model, spec.tokens_per_block, pools, backend=wl.run.backend,
+        return open_data_plane(model, spec.tokens_per_block, pools, backend=wl.run.backend,
                                verify=wl.run.verify, seed=wl.run.seed)
     except BackendUnavailable as exc:
         raise InputError(f"{_where(wl)}: run.backend: {exc}") from None
@@ -291,17 +317,30 @@ def _run_serve(
     _check_serve_fits(wl, requests, spec.num_gpu_blocks if windowed is None
                       else windowed.gpu_blocks_total)
     plane = _open_data_plane(wl, spec, windowed)
+    sp = wl.speculative
+    hardware = hardware_from_config(wl.hardware)
+    speculation = draft_plane = None
+    if sp.enabled:
+        speculation = Speculation(
+            sp.max_draft_len, sp.acceptance_rate, sp.reserved_tokens, wl.run.seed,
+            None if sp.draft_model is None else StepClock(sp.draft_model, hardware))
+        if sp.draft_model is not None:
+            draft_plane = _open_data_plane(wl, spec, model=sp.draft_model)
     t0 = time.perf_counter()
     manager = KVCacheManager(spec) if windowed is None else windowed
+    if sp.draft_model is not None:
+        manager = MirroredCacheManager(manager, KVCacheManager(spec))
     sched = wl.scheduler
     advance = progress(name, len(requests)) if progress is not None else None
     result = run_serve(
-        requests, manager, Scheduler(sched, spec.tokens_per_block),
-        StepClock(wl.model, hardware_from_config(wl.hardware)),
+        requests, manager, Scheduler(sched, spec.tokens_per_block,
+                                     reserve_tokens=sp.max_draft_len + sp.reserved_tokens),
+        StepClock(wl.model, hardware),
         revert_deferred_ctx=sched.revert_deferred_ctx, batch_add=wl.cache.add_sequence == "batch",
         block_bytes=block_bytes(wl) if windowed is None  # pools' mean slot with windows
         else windowed.gpu_bytes_total // windowed.gpu_blocks_total,
-        data_plane=plane, on_progress=advance)
+        data_plane=plane, speculation=speculation, draft_plane=draft_plane,
+        on_progress=advance)
     ideal = _serve_ideal_hit_rate(requests, spec)
     wall = time.perf_counter() - t0
     for r in requests:
@@ -335,11 +374,36 @@ def _run_serve(
         "verified": None,
         "max_abs_err": None,
     }
+    if speculation is not None:
+        metrics.update(speculation.metrics())
+    if sp.draft_model is not None:
+        metrics.update(_draft_metrics(wl, manager.draft, states))
     if plane is not None:
         # TTFT, TPOT and throughput come from the modeled clock, so the label stays; the
         # kernel times a CUDA plane measured are reported beside them, not fed to the clock.
         metrics.update(plane.metrics(), time_source="modeled")
+        if draft_plane is not None:
+            d = draft_plane.metrics()
+            metrics["draft_verified"] = d["verified"]
+            metrics["draft_max_abs_err"] = d["max_abs_err"]
+            if d["verified"] is False:
+                metrics["verified"] = False
+                metrics["verify_mismatch"] = "draft cache: " + d["verify_mismatch"]
     return _outcome(name, wl, metrics, result.timeline.to_json())
+
+
+def _draft_metrics(wl: Workload, draft: KVCacheManager, states) -> dict:
+    """The draft model's cache: its size, peak and reuse (the same blocks as the target's,
+    in its own shape), and the peak bytes of both caches together."""
+    peak = draft.gpu.peak_in_use
+    return {
+        "draft_gpu_blocks_total": draft.spec.num_gpu_blocks,
+        "draft_peak_gpu_blocks": peak,
+        "draft_peak_gpu_bytes": peak * draft_block_bytes(wl),
+        "draft_reused_full_blocks": sum(s.draft_reuse[0] for s in states),
+        "draft_reused_partial_blocks": sum(s.draft_reuse[1] for s in states),
+        "peak_kv_bytes": peak * (block_bytes(wl) + draft_block_bytes(wl)),
+    }
 
 
 def _serve_ideal_hit_rate(requests: list[Request], spec: CacheSpec) -> float:
@@ -380,26 +444,31 @@ def _check_serve_fits(wl: Workload, requests: list[Request], num_blocks: int) ->
         raise InputError(
             f"{_where(wl)}: scheduler.max_num_tokens ({s.max_num_tokens}) is below one chunk "
             f"of cache.tokens_per_block ({tpb}) tokens")
-    widest = max(r.beam_width for r in requests)
+    sp = wl.speculative
+    widest = max(r.beam_width for r in requests) * (1 + sp.max_draft_len)
     if s.max_batch_size * widest > s.max_num_tokens:
         raise InputError(
-            f"{_where(wl)}: scheduler.max_batch_size ({s.max_batch_size}) x the widest beam "
-            f"search ({widest}) exceeds scheduler.max_num_tokens ({s.max_num_tokens}): every "
-            "beam of a running request decodes one token per step")
+            f"{_where(wl)}: scheduler.max_batch_size ({s.max_batch_size}) x the tokens one "
+            f"request decodes per step ({widest}: beams x (1 + speculative.max_draft_len)) "
+            f"exceeds scheduler.max_num_tokens ({s.max_num_tokens})")
     # A request holds KV for its prompt and all but its last generated token, in every beam.
+    extra = sp.max_draft_len + sp.reserved_tokens
+
     def held(r: Request) -> int:
-        return r.input_length + max(r.output_length - 1, 0)
+        return r.input_length + max(r.output_length - 1, 0) + extra
 
     largest = max(requests, key=lambda r: grow_blocks(tpb, r, 0, held(r)))
     need, length = grow_blocks(tpb, largest, 0, held(largest)), held(largest)
+    # With a draft model each block of budget also pays for its draft block.
+    least = -(-need * (block_bytes(wl) + draft_block_bytes(wl)) // block_bytes(wl)) * tpb
     if need > num_blocks:
         raise InputError(
             f"{_where(wl)}: cache.max_tokens: request {largest.id} needs {need} blocks "
-            f"({length} prompt and generated tokens, {largest.beam_width} beam(s) at "
-            f"tokens_per_block {tpb}) but the cache holds {num_blocks}; raise cache.max_tokens "
-            f"to at least {need * tpb}")
+            f"({length} prompt, generated and reserved tokens, {largest.beam_width} beam(s) "
+            f"at tokens_per_block {tpb}) but the cache holds {num_blocks}; raise "
+            f"cache.max_tokens to at least {least}")
     largest = max(requests, key=held)
-    length = held(largest)
+    length = held(largest) - extra
     if not s.enable_chunked_prefill and length > s.max_num_tokens:
         raise InputError(
             f"{_where(wl)}: scheduler.max_num_tokens: request {largest.id} may need to "

@@ -309,5 +309,5 @@ def test_beam_keys_in_workloads(tmp_path):
     with pytest.raises(InputError, match="beam search"):
         run_workload(windowed)
     tight = load_workload(path, ["scheduler.max_batch_size=200", "scheduler.max_num_tokens=512"])
-    with pytest.raises(InputError, match="widest beam"):
+    with pytest.raises(InputError, match="beams x"):
         run_workload(tight)

@@ -20,7 +20,7 @@ CACHE_KEYS = (
     " copy_on_partial_reuse, add_sequence, swa_scratch_reuse, secondary_offload_min_priority,"
     " release_out_of_window, window_memory_split"
 )
-TOP_KEYS = "name, model, hardware, cache, scheduler, requests, run, variants, tune"
+TOP_KEYS = "name, model, hardware, cache, scheduler, requests, speculative, run, variants, tune"
 
 
 def write(tmp_path: Path, text: str, name: str = "w.yaml") -> Path:

@@ -13,9 +13,13 @@ from kvbench.runner import run_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 CI = sorted((ROOT / "workloads" / "ci").glob("*.yaml"))
+FEATURES = [  # shipped feature workloads outside CI, shrunk
+    (ROOT / "workloads" / "speculative-decoding.yaml", ("requests.synthetic.num_requests=24",)),
+]
 DATA_PLANE = [  # shipped data-plane workloads, shrunk to a few requests
     (ROOT / "workloads" / "verify-small.yaml", ("requests.synthetic.num_requests=8",)),
     (ROOT / "workloads" / "verify-serve-small.yaml", ("requests.synthetic.num_requests=8",)),
+    (ROOT / "workloads" / "verify-speculative-small.yaml", ("requests.synthetic.num_requests=8",)),
 ]
 
 
@@ -26,7 +30,8 @@ def _produced(path: Path, sets=()) -> list[tuple[str, dict]]:
 
 @pytest.fixture(scope="module")
 def metadata_runs():
-    return [run for path in CI for run in _produced(path)]
+    return ([run for path in CI for run in _produced(path)]
+            + [run for path, sets in FEATURES for run in _produced(path, sets)])
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +79,7 @@ def test_every_registered_metric_is_produced_by_a_shipped_workload(
         names = {name for name, _ in produced}
         if m.needs == "cuda":
             assert m.name in cuda and m.name not in names, m.name
-        elif m.needs == "data_plane":
+        elif m.needs in ("data_plane", "draft_data_plane"):
             assert m.name in {name for name, _ in plane} - names, m.name
 
 

@@ -54,7 +54,7 @@ class ServeRequest:
         "request", "idx", "phase", "view", "seq", "context_len", "generated", "pre_tokens",
         "reused_tokens", "reused_tokens_host", "reused_partial_tokens", "reused_full_blocks",
         "first_token_s", "finish_s", "d_step0", "d_pos0", "d_gen0", "finish_step",
-        "version",
+        "version", "drafts", "draft_reuse",
     )
 
     def __init__(self, request: Request, idx: int) -> None:
@@ -84,6 +84,10 @@ class ServeRequest:
         self.d_step0 = self.d_pos0 = self.d_gen0 = self.finish_step = 0
         self.version = 0
         """Bumped when a pending decode event goes stale (preemption)."""
+        self.drafts = 0
+        """Draft tokens it verifies in the current decode step (speculative decoding)."""
+        self.draft_reuse = (0, 0)
+        """(full blocks, partial blocks) the draft model's cache reused, with `reused`."""
 
 
 class ContextWork:
@@ -111,9 +115,10 @@ class Scheduler:
     """Budget, chunking, FCFS admission and delay batching (see the module docstring)."""
 
     __slots__ = ("max_num_tokens", "max_batch_size", "chunked", "tpb", "wait_timeout",
-                 "wait_ratio", "waiting_enabled", "wait_iters")
+                 "wait_ratio", "waiting_enabled", "wait_iters", "reserve_tokens")
 
-    def __init__(self, cfg: SchedulerConfig, tokens_per_block: int) -> None:
+    def __init__(self, cfg: SchedulerConfig, tokens_per_block: int,
+                 reserve_tokens: int = 0) -> None:
         self.max_num_tokens = cfg.max_num_tokens
         self.max_batch_size = cfg.max_batch_size
         self.chunked = cfg.enable_chunked_prefill
@@ -123,6 +128,9 @@ class Scheduler:
         self.waiting_enabled = self.wait_timeout > 0 or self.wait_ratio > 0
         self.wait_iters = 0
         """Consecutive steps context requests have been deferred."""
+        self.reserve_tokens = reserve_tokens
+        """KV tokens a context request holds past its chunk (speculative decoding's drafts
+        and extra tokens, allocated with the chunk as TensorRT-LLM adds them after the add)."""
 
     def plan_context(
         self, prefilling: list[ServeRequest], waiting: list[tuple[int, ServeRequest]],
@@ -145,7 +153,8 @@ class Scheduler:
             chunk, last = self._chunk(r.context_len - start, budget)
             if not chunk:
                 return plan
-            need = cache.grow_blocks(r.view, len(seq.blocks), start + chunk)
+            need = cache.grow_blocks(r.view, len(seq.blocks),
+                                     start + chunk + self.reserve_tokens)
             if need > free:
                 return plan
             free -= need
@@ -158,7 +167,7 @@ class Scheduler:
             chunk, last = self._chunk(r.context_len - reused, budget)
             if not chunk:
                 break
-            need = draw + cache.grow_blocks(r.view, blocks, reused + chunk)
+            need = draw + cache.grow_blocks(r.view, blocks, reused + chunk + self.reserve_tokens)
             if need > free:
                 break
             heappop(waiting)

@@ -42,6 +42,7 @@ from ..kernels.step import StepItem, beam_tokens
 from ..traffic.request import Request
 from .clock import StepClock
 from .scheduler import ContextWork, Phase, Scheduler, ServeRequest
+from .speculative import Speculation
 from .timeline import Timeline
 
 TIMELINE_COLUMNS = ("step", "steps", "time_us", "batch", "scheduled_tokens", "computed_tokens",
@@ -143,7 +144,7 @@ class ServeLoop:
     __slots__ = (
         "states", "manager", "scheduler", "clock", "revert", "batch_add", "bulk_decode",
         "on_step", "on_progress", "tpb", "mnt", "waiting", "prefilling", "decoders", "dec_k",
-        "gen_tokens",
+        "gen_tokens", "spec", "draft", "draft_plane", "_draft_end",
         "events", "step", "now", "finished", *SERVE_COUNTERS, "timeline", "block_bytes",
         "data_plane", "_moved", "_row_reused",
         "_row_prompt", "_columns",
@@ -154,6 +155,7 @@ class ServeLoop:
         self, requests: Sequence[Request], manager: KVCacheManager, scheduler: Scheduler,
         clock: StepClock, *, revert_deferred_ctx: bool = False, batch_add: bool = False,
         block_bytes: int = 0, bulk_decode: bool = True, data_plane=None,
+        speculation: Speculation | None = None, draft_plane=None,
         on_step: Callable[[StepRecord], None] | None = None,
         on_progress: Callable[[int], None] | None = None,
     ) -> None:
@@ -163,7 +165,16 @@ class ServeLoop:
         self.clock = clock
         self.revert = revert_deferred_ctx
         self.batch_add = batch_add
-        self.bulk_decode = bulk_decode and data_plane is None
+        self.spec = speculation
+        """Speculative decoding (None = off): decode steps yield 1..k+1 tokens, so every
+        step runs on its own (no jumps)."""
+        self.draft = getattr(manager, "draft", None)
+        """The draft model's cache (a `MirroredCacheManager`'s), or None."""
+        self.draft_plane = draft_plane
+        """The draft cache's data plane (with `data_plane`)."""
+        self._draft_end: dict[int, int] = {}
+        """Per running request, one past the last position the draft model wrote."""
+        self.bulk_decode = bulk_decode and data_plane is None and speculation is None
         self.data_plane = data_plane
         self.on_step = on_step
         self.on_progress = on_progress
@@ -232,7 +243,11 @@ class ServeLoop:
         at, so the steps up to the next event or arrival would repeat it."""
         step = self.step
         preempted: list[int] = []
-        finishing = self._generation_phase(preempted)
+        spec = self.spec
+        if spec is None:
+            finishing = self._generation_phase(preempted)
+        else:
+            finishing = self._reserve_drafts(preempted)
         num_gen, gen_tokens = len(self.decoders), self.gen_tokens
         plan = self.scheduler.plan_context(
             self.prefilling, self.waiting, num_gen, num_gen + len(self.prefilling), self.manager,
@@ -261,11 +276,15 @@ class ServeLoop:
             context = tuple(ContextChunk(w.req.request.id, w.start, w.end, w.chunk) for w in work)
             generation = tuple((r.request.id, r.d_pos0 + step - r.d_step0)
                                for r in self.decoders.values())
-        done = self._finish_context(work)
-        for r in finishing:
-            if r.phase is Phase.DECODE:
-                self._finish_decode(r)
-                done.append(r.request.id)
+        if spec is None:
+            done = self._finish_context(work)
+            for r in finishing:
+                if r.phase is Phase.DECODE:
+                    self._finish_decode(r)
+                    done.append(r.request.id)
+        else:
+            done = self._accept_drafts(finishing)
+            done += self._finish_context(work)
         self._row(step, 1, start_s, num_gen + len(work), scheduled, tokens)
         if self.on_step is not None:
             self.on_step(StepRecord(step, 1, start_s, dt, context, generation, deferred,
@@ -277,15 +296,27 @@ class ServeLoop:
         """Tokens the step computes and its modeled time; counts MNT overflow (the actual
         tokens past the budget, DESIGN.md section 3) and the reuse shortfall behind it.
         A context chunk is computed once for all its beams."""
-        kv = self.dec_k + gen_tokens * (self.step + 1)  # a beam at position p reads p + 1
-        tokens, pairs = gen_tokens, kv
+        if self.spec is None:
+            kv = self.dec_k + gen_tokens * (self.step + 1)  # a beam at position p reads p + 1
+            pairs = kv
+        else:
+            kv = pairs = 0  # a decoder at p computes p .. p + k, reading p + 1 .. p + k + 1
+            for r in self.decoders.values():
+                t = r.drafts + 1
+                kv += r.d_pos0 + t
+                pairs += t * r.d_pos0 + t * (t + 1) // 2
+        tokens = gen_tokens
+        ctx_tokens = ctx_pairs = ctx_kv = 0
         for w in work:
             c = w.end - w.start
-            tokens += c
-            pairs += c * w.start + c * (c + 1) // 2
-            kv += w.end
+            ctx_tokens += c
+            ctx_pairs += c * w.start + c * (c + 1) // 2
+            ctx_kv += w.end
             if w.new and w.estimated > w.start:
                 self.reuse_shortfall_tokens += w.estimated - w.start
+        tokens += ctx_tokens
+        pairs += ctx_pairs
+        kv += ctx_kv
         if tokens > self.mnt:
             self.mnt_overflow_steps += 1
             self.max_mnt_overshoot_tokens = max(self.max_mnt_overshoot_tokens, tokens - self.mnt)
@@ -294,7 +325,12 @@ class ServeLoop:
         moved = mgr.onboard_blocks + mgr.offload_blocks
         copy_bytes = (moved - self._moved) * self.block_bytes
         self._moved = moved
-        return tokens, self.clock.step_seconds(tokens, pairs, kv, copy_bytes)
+        dt = self.clock.step_seconds(tokens, pairs, kv, copy_bytes)
+        if self.spec is not None:
+            dt += self.spec.draft_seconds(
+                ctx_tokens, ctx_pairs, ctx_kv,
+                [(r.d_pos0, r.drafts) for r in self.decoders.values()])
+        return tokens, dt
 
     def _execute(self, work: list[ContextWork]) -> None:
         """Run the step on the data plane, before anything it computes is committed. With
@@ -311,7 +347,9 @@ class ServeLoop:
         runs = [(w.req, w.start, w.end) for w in work]
         for r in self.decoders.values():
             pos = r.d_pos0 + step - r.d_step0
-            runs.append((r, pos, pos + 1))
+            runs.append((r, pos, pos + 1 + r.drafts))
+        if self.draft_plane is not None:
+            self._execute_draft(runs)
         items = []
         for r, start, end in runs:
             tokens = self._stream(r)
@@ -332,6 +370,25 @@ class ServeLoop:
                                       first_block=first, scratch=scratch))
         if ops or items:
             self.data_plane.execute_step(ops, items)
+
+    def _execute_draft(self, runs: list[tuple[ServeRequest, int, int]]) -> None:
+        """The draft model's KV on its own data plane: it prefills the step's context chunks
+        and writes the positions it drafts from (`p .. p + k - 1` of a decoder at `p`, after
+        catching up on the last accepted one it never drafted from)."""
+        draft, ends = self.draft, self._draft_end
+        ops = list(draft.copy_ops)
+        draft.copy_ops.clear()
+        items = []
+        for r, start, end in runs:
+            if r.phase is Phase.DECODE:
+                end -= 1  # the target's token after the last draft is not drafted from
+                start = min(start, ends.get(r.idx, start))
+            ends[r.idx] = max(end, start)
+            if start < end:
+                items.append(StepItem(r.request.id, self._stream(r),
+                                      self.manager.draft_of(r.seq).blocks, start, end))
+        if ops or items:
+            self.draft_plane.execute_step(ops, items)
 
     def _stream(self, r: ServeRequest, beam: int = 0) -> np.ndarray:
         tokens = self._tokens.get((r.idx, beam))
@@ -367,6 +424,49 @@ class ServeLoop:
                 self._push_event(r, step + tpb - pos % tpb)
         return finishing
 
+    def _reserve_drafts(self, preempted: list[int]) -> list[ServeRequest]:
+        """Speculative decoding: each decoder (oldest first) gets blocks for the tokens it
+        verifies this step and the reserved extra tokens, preempting the newest running
+        request when the pool is dry. Returns the decoders that compute this step."""
+        mgr, spec = self.manager, self.spec
+        for r in sorted(self.decoders.values(), key=_by_idx):
+            if r.phase is not Phase.DECODE:
+                continue  # preempted for an older decoder
+            r.drafts = spec.drafts(r.request.output_length - r.generated)
+            seq = r.seq
+            need = max(seq.num_tokens, r.d_pos0 + 1 + r.drafts + spec.reserved)
+            while not mgr.resize(seq, need):
+                victim = self._newest()
+                self._preempt(victim)
+                preempted.append(victim.request.id)
+                if victim is r:
+                    break
+        computing = sorted(self.decoders.values(), key=_by_idx)
+        self.gen_tokens = sum(r.drafts + 1 for r in computing)
+        return computing
+
+    def _accept_drafts(self, computing: list[ServeRequest]) -> list[int]:
+        """After a speculative step: draw each decoder's accepted drafts, commit the valid KV
+        and advance it (re-anchored at the next step); returns the ids that finished."""
+        mgr, spec, step = self.manager, self.spec, self.step
+        done = []
+        for r in computing:
+            produced = spec.accept(r.drafts) + 1
+            pos = r.d_pos0 + produced
+            r.generated += produced
+            mgr.commit(r.seq, pos)
+            self._drop_decoder(r)  # and back in with its new anchor, unless it finished
+            if r.generated >= r.request.output_length:
+                r.generated = r.request.output_length
+                self._release(r)
+                done.append(r.request.id)
+                continue
+            r.d_step0, r.d_pos0, r.d_gen0 = step + 1, pos, r.generated
+            self.decoders[r.idx] = r
+            self.dec_k += r.d_pos0 - r.d_step0
+            self.gen_tokens += 1
+        return done
+
     def _place(self, plan: list[ContextWork]) -> list[ContextWork]:
         """Add the new context requests to the cache and give every planned chunk its blocks;
         returns the chunks that got them."""
@@ -394,7 +494,8 @@ class ServeLoop:
                 w.end = w.start + w.chunk
                 if r.pre_tokens < 0:
                     r.pre_tokens = seq.num_tokens
-            if w.end > seq.num_tokens and not mgr.resize(seq, w.end):
+            hold = w.end + self.scheduler.reserve_tokens
+            if hold > seq.num_tokens and not mgr.resize(seq, hold):
                 # Only a new request whose reuse fell short can miss its blocks: the plan
                 # reserved the rest. It waits (without its sequence) for a later step.
                 self.ctx_alloc_failures += 1
@@ -437,6 +538,9 @@ class ServeLoop:
                 r.reused_tokens_host = seq.reused_tokens_host
                 r.reused_partial_tokens = seq.partial_tokens
                 r.reused_full_blocks = seq.reused_full_blocks
+                if self.draft is not None:
+                    d = mgr.draft_of(seq)
+                    r.draft_reuse = (d.reused_full_blocks, int(d.partial_tokens > 0))
                 self._row_reused += r.reused_tokens
                 self._row_prompt += r.request.input_length
             if w.end < r.context_len:
@@ -457,7 +561,8 @@ class ServeLoop:
             width = r.request.beam_width
             self.dec_k += width * (r.d_pos0 - r.d_step0)
             self.gen_tokens += width
-            self._push_event(r, r.d_step0 + (-r.d_pos0) % self.tpb)
+            if self.spec is None:
+                self._push_event(r, r.d_step0 + (-r.d_pos0) % self.tpb)
         return done
 
     def _finish_decode(self, r: ServeRequest) -> None:
@@ -553,6 +658,7 @@ class ServeLoop:
         r.version += 1
 
     def _drop_tokens(self, r: ServeRequest) -> None:
+        self._draft_end.pop(r.idx, None)
         for beam in range(r.request.beam_width):
             self._tokens.pop((r.idx, beam), None)
 

@@ -42,16 +42,23 @@ def run(
         "--repeat", min=1, help="Run each workload N times; compare merges repeats by the median.",
     )] = 1,
     update_baseline: Annotated[Optional[Path], typer.Option(
-        "--update-baseline", help="Rewrite this baseline (for kvbench compare) with the result.",
+        "--update-baseline",
+        help="Update this baseline (for kvbench compare): the workloads run replace theirs, "
+             "its other workloads are kept.",
     )] = None,
+    replace: Annotated[bool, typer.Option(
+        "--replace", help="With --update-baseline: write only this result, dropping the "
+                          "baseline's other workloads.",
+    )] = False,
 ) -> None:
     """Replay a workload's requests through the cache and report reuse, memory and traffic."""
     from .config import load_workload
     from .report.tables import print_metrics
-    from .results import build_result, write_json_atomic
+    from .results import build_result, check_unique_names, write_json_atomic
     from .runner import run_workload
 
     loaded = [load_workload(p, set_ or ()) for p in workloads]
+    check_unique_names([(wl.name, str(p)) for wl, p in zip(loaded, workloads)])
     per_workload = []
     for wl in loaded:
         show = not quiet and wl.run.progress
@@ -66,11 +73,13 @@ def run(
         if not quiet:
             err.print(f"wrote {json_path}")
     if update_baseline is not None:
-        from .results import baseline_of
+        from .results import updated_baseline
 
-        write_json_atomic(update_baseline, baseline_of(result))
+        baseline, kept = updated_baseline(update_baseline, result, replace=replace)
+        write_json_atomic(update_baseline, baseline)
         if not quiet:
-            err.print(f"updated baseline {update_baseline}")
+            also = (f"; kept {', '.join(kept)} from it (--replace drops them)" if kept else "")
+            err.print(f"updated baseline {update_baseline}{also}")
 
 
 @app.command()
@@ -156,6 +165,9 @@ def compare(
         "--timing-tolerance", min=0,
         help="Percent a measured timing may worsen (median of repeats, same device only).",
     )] = 10.0,
+    show_all: Annotated[bool, typer.Option(
+        "--all", help="Show every metric of every run, not only failures and improvements.",
+    )] = False,
     quiet: QuietOption = False,
 ) -> None:
     """Compare a result with a baseline: exit 3 if a metric regressed, 2 if not comparable."""
@@ -166,7 +178,7 @@ def compare(
         markdown.parent.mkdir(parents=True, exist_ok=True)
         markdown.write_text(to_markdown(comparison))
     if not quiet:
-        print_comparison(out, comparison)
+        print_comparison(out, comparison, show_all=show_all)
     if comparison.failures:
         raise RegressionFound(comparison.failure_line())
 

@@ -41,8 +41,9 @@ MODELED_REL_TOL = 1e-6
 """Modeled times are deterministic, but float maths may differ in the last bits between numpy
 or libm builds."""
 
-DEVICE_KEYS = ("device", "gpu", "machine", "platform", "cpu_count")
-"""Environment keys that must all be equal for measured values to be compared."""
+DEVICE_KEYS = ("device", "cpu", "cpu_count")
+"""Environment keys that must all be equal for measured values to be compared: the GPU model
+(or cpu) and the CPU model, not the kernel build or platform string."""
 
 FAILING = ("regressed", "mismatch", "missing")
 STATUS_ORDER = ("regressed", "mismatch", "missing", "improved", "changed", "new", "skipped",
@@ -87,6 +88,11 @@ class Comparison:
     runs: list[RunComparison]
     unguarded: list[str]
     """Runs in the current result that the baseline does not have."""
+
+    @property
+    def device_skips(self) -> bool:
+        """Some measured value was not compared because the devices differ."""
+        return any(row.note == "different device" for run in self.runs for row in run.rows)
 
     @property
     def failures(self) -> list[tuple[RunComparison, MetricRow]]:
@@ -165,39 +171,57 @@ def rule_for(name: str) -> Rule | None:
 # --- rendering -----------------------------------------------------------------------------------
 
 
-def print_comparison(console, comparison: Comparison) -> None:
-    """A rich table per workload/variant, then the notes and a summary line."""
+def print_comparison(console, comparison: Comparison, *, show_all: bool = False) -> None:
+    """Per run, its failures and improvements (every row with `show_all`) and its notes, then
+    a one-line summary."""
+    c = comparison
+    if c.device_skips:
+        _line(console, f"measured values not compared: baseline on {c.base_device}, current "
+                       f"on {c.new_device}")
+    for run in c.runs:
+        rows = [row for row in run.rows if show_all or row.failing or row.status == "improved"]
+        if rows:
+            _print_rows(console, _run_heading(run), rows)
+        for note in run.notes:
+            _line(console, f"  {note}" if rows else f"{run.title}: {note}")
+    if c.unguarded:
+        _line(console, "not in the baseline (not guarded until it is updated): "
+                       + ", ".join(c.unguarded))
+    _line(console, _summary_line(c) + ("" if show_all else " (--all shows every row)"))
+
+
+def _print_rows(console, title: str, rows: list[MetricRow]) -> None:
+    """A table of one run's metric rows. Numbers never wrap or get cropped (a cut number reads
+    as another number): a table wider than the console is printed at its own width."""
     from rich import box
     from rich.markup import escape
     from rich.table import Table
 
     colors = {"regressed": "red", "mismatch": "red", "missing": "red", "improved": "green",
               "changed": "yellow", "skipped": "dim", "info": "dim", "new": "cyan"}
-    if not comparison.same_device:
-        console.print(f"measured values not compared: baseline on {comparison.base_device}, "
-                      f"current on {comparison.new_device}", style="dim", highlight=False,
-                      markup=False)
-    for run in comparison.runs:
-        table = Table(title=_run_heading(run), title_justify="left", box=box.SIMPLE_HEAD,
-                      pad_edge=False, collapse_padding=True)
-        table.add_column("metric", no_wrap=True)
-        # Fold, never crop: a cropped number reads as a different number.
-        for name in ("baseline", "current", "change", "tolerance"):
-            table.add_column(name, justify="right", overflow="fold")
-        table.add_column("status", no_wrap=True)
-        for row in run.rows:
-            color = colors.get(row.status)
-            status = f"[{color}]{row.status}[/{color}]" if color else row.status
-            cells = (row.metric, format_number(row.base), format_number(row.new), _change(row.base, row.new),
-                     row.tolerance)
-            table.add_row(*map(escape, cells), status + (f" ({row.note})" if row.note else ""))
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  collapse_padding=True)
+    table.add_column("metric", no_wrap=True)
+    for name in ("baseline", "current", "change", "tolerance"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    for row in rows:
+        color = colors.get(row.status)
+        status = f"[{color}]{row.status}[/{color}]" if color else row.status
+        cells = (row.metric, format_number(row.base), format_number(row.new),
+                 _change(row.base, row.new), row.tolerance)
+        table.add_row(*map(escape, cells), status + (f" ({row.note})" if row.note else ""))
+    width = console.measure(table, options=console.options.update_width(1000)).maximum
+    saved = console.width
+    console.width = max(saved, width)
+    try:
         console.print(table)
-        for note in run.notes:
-            console.print(f"  {note}", highlight=False, markup=False)
-    if comparison.unguarded:
-        console.print("not in the baseline (not guarded until it is updated): "
-                      + ", ".join(comparison.unguarded), highlight=False, markup=False)
-    console.print(_summary_line(comparison), highlight=False, markup=False)
+    finally:
+        console.width = saved
+
+
+def _line(console, text: str) -> None:
+    console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 def to_markdown(comparison: Comparison) -> str:
@@ -212,7 +236,7 @@ def to_markdown(comparison: Comparison) -> str:
         _summary_line(c),
         "",
     ]
-    if not c.same_device:
+    if c.device_skips:
         lines += ["Measured values were not compared: the results come from different devices.", ""]
     notable = sorted(((run, row) for run in c.runs for row in run.rows
                       if row.status not in ("ok", "info")),

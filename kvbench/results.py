@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from . import __version__
 from .errors import InputError
 from .metrics import json_schema as metrics_json_schema
+from .metrics import type_error
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import Workload
@@ -55,10 +56,24 @@ def environment() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "machine": platform.machine(),
+        "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "device": _gpus() or "cpu",
         "argv": sys.argv[1:],
     }
+
+
+def _cpu_model() -> str:
+    """The CPU model (measured timings compare only on the same one), from /proc/cpuinfo on
+    Linux, else what the platform module knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def _gpus() -> str | None:
@@ -100,20 +115,64 @@ def build_result(per_workload: list[list[RunOutcome]]) -> dict:
     `workload` describes the one file, or the suite as a whole; `workloads` lists every file
     and each run names its workload, so a suite's runs stay apart."""
     entries = [workload_entry(outcomes) for outcomes in per_workload]
-    if len(entries) == 1:
-        head = entries[0]
-    else:
-        joined = "".join(e["sha256"] or "" for e in entries).encode()
-        head = {"name": "+".join(e["name"] for e in entries), "path": None,
-                "sha256": hashlib.sha256(joined).hexdigest()}
     return {
         "schema_version": SCHEMA_VERSION,
         "kvbench_version": __version__,
-        "workload": head,
+        "workload": _suite_head(entries),
         "workloads": entries,
         "environment": environment(),
         "runs": [run_entry(o) for outcomes in per_workload for o in outcomes],
     }
+
+
+def _suite_head(entries: list[dict]) -> dict:
+    """`workload` of a result: the one file, or the suite as a whole."""
+    if len(entries) == 1:
+        return entries[0]
+    joined = "".join(e["sha256"] or "" for e in entries).encode()
+    return {"name": "+".join(e["name"] for e in entries), "path": None,
+            "sha256": hashlib.sha256(joined).hexdigest()}
+
+
+def check_unique_names(names: list[tuple[str, str]]) -> None:
+    """(workload name, where) of a suite: two workloads of one name would merge as repeats."""
+    seen: dict[str, str] = {}
+    for name, where in names:
+        if name in seen:
+            raise InputError(f"{where}: name: {name!r} is also the name of {seen[name]}; each "
+                             "workload of a suite needs its own name (runs are keyed by it)")
+        seen[name] = where
+
+
+def updated_baseline(path: str | Path, result: dict, *, replace: bool = False
+                     ) -> tuple[dict, list[str]]:
+    """The baseline to write at `path` from `result`: the runs of the workloads `result` has
+    replace theirs, the baseline's other workloads are kept (all of it is replaced with
+    `replace`, or when nothing is at `path`). Returns it and the names of the kept workloads."""
+    new = baseline_of(result)
+    if replace or not Path(path).exists():
+        return new, []
+    old = read_result(path)
+    replaced = {e["name"] for e in new["workloads"]}
+    old_entries = old.get("workloads") or [old["workload"]]
+    kept = [e for e in old_entries if e["name"] not in replaced]
+    entries = [next((n for n in new["workloads"] if n["name"] == e["name"]), e)
+               for e in old_entries] + [e for e in new["workloads"]
+                                        if e["name"] not in {o["name"] for o in old_entries}]
+    runs = {e["name"]: [] for e in entries}
+    for source, take in ((old, lambda w: w not in replaced), (new, lambda w: True)):
+        for run in source["runs"]:
+            name = run_workload(source, run)
+            if take(name):
+                runs[name].append({"workload": name, **run})
+    return ({**new, "workload": _suite_head(entries), "workloads": entries,
+             "runs": [run for e in entries for run in runs[e["name"]]]},
+            [e["name"] for e in kept])
+
+
+def run_workload(result: dict, run: dict) -> str:
+    """The workload a run belongs to (a one-file result may leave it to `workload`)."""
+    return run.get("workload") or (result.get("workload") or {}).get("name", "workload")
 
 
 def write_json_atomic(path: str | Path, data: dict) -> None:
@@ -133,29 +192,61 @@ def write_json_atomic(path: str | Path, data: dict) -> None:
 
 
 def read_result(path: str | Path) -> dict:
-    """A result JSON; unreadable or not ours is bad input."""
+    """A result JSON, checked (`check_result`); unreadable or not ours is bad input."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        raw = path.read_bytes()
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if raw.startswith(b"SQLite format 3\0"):
+        raise InputError(f"{path}: an SQLite database (a kvbench tune study?), not a kvbench "
+                         "result; write one with kvbench run --json")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not a text file (byte {exc.start} is not UTF-8); "
+                         "expected a kvbench result JSON") from None
     except json.JSONDecodeError as exc:
         raise InputError(f"{path}:{exc.lineno}:{exc.colno}: not JSON: {exc.msg}") from None
+    check_result(data, str(path))
+    return data
+
+
+def check_result(data, name: str) -> None:
+    """Raise InputError naming the file, run and metric when `data` is not a valid result:
+    every metric's value must have its registered type (`kvbench/metrics.py`)."""
     if not isinstance(data, dict) or "schema_version" not in data or "runs" not in data:
-        raise InputError(f"{path}: not a kvbench result (no schema_version/runs)")
+        raise InputError(f"{name}: not a kvbench result (no schema_version/runs)")
     if data["schema_version"] != SCHEMA_VERSION:
         raise InputError(
-            f"{path}: schema_version {data['schema_version']} is not {SCHEMA_VERSION}")
-    return data
+            f"{name}: schema_version {data['schema_version']} is not {SCHEMA_VERSION}")
+    runs = data["runs"]
+    if not isinstance(runs, list):
+        raise InputError(f"{name}: runs: expected a list of runs, got {type(runs).__name__}")
+    entries = data.get("workloads") or []
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise InputError(f"{name}: workloads: expected a list of {{name, path, sha256}}")
+    check_unique_names([(e.get("name"), f"{name}: workloads[{i}]")
+                        for i, e in enumerate(entries)])
+    for i, run in enumerate(runs):
+        if not isinstance(run, dict) or not isinstance(run.get("variant"), str):
+            raise InputError(f"{name}: runs[{i}]: expected an object with a variant name")
+        where = f"{name}: run {run_workload(data, run)}/{run['variant']}"
+        for key in ("metrics", "config", "timeline"):
+            if not isinstance(run.get(key, {}), dict):
+                raise InputError(f"{where}: {key}: expected an object")
+        for metric, value in (run.get("metrics") or {}).items():
+            problem = type_error(metric, value)
+            if problem:
+                raise InputError(f"{where}: metric {metric}: {problem}")
 
 
 def merge_repeats(result: dict) -> dict[tuple[str, str], MergedRun]:
     """Runs by (workload, variant) in first-seen order; repeats merged: numbers by the median
     (per key for nested metrics), anything else and the timeline from the first repeat."""
     groups: dict[tuple[str, str], list[dict]] = {}
-    default_workload = (result.get("workload") or {}).get("name", "workload")
     for run in result["runs"]:
-        groups.setdefault((run.get("workload", default_workload), run["variant"]), []).append(run)
+        groups.setdefault((run_workload(result, run), run["variant"]), []).append(run)
     return {
         key: MergedRun(key[0], key[1], _median_metrics([r.get("metrics") or {} for r in runs]),
                        runs[0].get("config") or {}, runs[0].get("timeline") or {}, len(runs))

@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 
 from kvbench.compare import compare_results
-from kvbench.results import baseline_of, merge_repeats
 from kvbench.config import load_workload
 from kvbench.errors import InputError
-from kvbench.results import build_result
+from kvbench.results import baseline_of, build_result, merge_repeats
 from kvbench.runner import run_workload
 from cli_helpers import run_cli
 
@@ -70,6 +69,9 @@ def test_a_result_compared_with_itself_passes(result, tmp_path, capsys):
     assert set(statuses(comparison).values()) <= {"ok", "info"}
     path = write(tmp_path / "r.json", result)
     code, out, _ = main(["compare", path, path], capsys)
+    assert code == 0
+    assert out == "2 runs compared: 2 info, 54 ok (--all shows every row)\n"
+    code, out, _ = main(["compare", path, path, "--all"], capsys)
     assert code == 0
     assert "hit_rate" in out and "regressed" not in out
 

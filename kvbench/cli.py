@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -201,23 +202,75 @@ def report(
         err.print(f"wrote {len(written)} files; open {target / 'index.html'}")
 
 
+FormatOption = Annotated[str, typer.Option(
+    "--format", help="Trace format (requests.format): auto, mooncake, bailian, servegen, weka, "
+    "token_ids, lengths_csv.")]
+BlockTokensOption = Annotated[Optional[int], typer.Option(
+    "--block-tokens", min=1, help="Tokens per hash id (requests.block_tokens); default: the "
+    "format's.")]
+CoverOption = Annotated[Optional[str], typer.Option(
+    "--hash-ids-cover", help="ceil, floor or auto (requests.hash_ids_cover); default: the "
+    "format's.")]
+SessionsOption = Annotated[str, typer.Option(
+    "--sessions", help="Session starts (requests.sessions): back_to_back, stagger:SECONDS or "
+    "poisson:RATE.")]
+
+
+def _open_trace(trace: Path, fmt: str, block_tokens: Optional[int], cover: Optional[str],
+                sessions: str):
+    from .traffic import FORMATS, TraceOptions, open_trace
+    from .traffic.tracefile import SessionStart
+
+    if fmt not in FORMATS:
+        raise InputError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    if cover not in (None, "ceil", "floor", "auto"):
+        raise InputError(f"--hash-ids-cover: expected ceil, floor or auto, got {cover!r}")
+    kind, _, value = sessions.partition(":")
+    try:
+        start = {"back_to_back": SessionStart(),
+                 "stagger": lambda: SessionStart("stagger", interval_s=float(value)),
+                 "poisson": lambda: SessionStart("poisson", rate=float(value))}[kind]
+        start = start if kind == "back_to_back" else start()
+        if kind != "back_to_back" and not (start.interval_s or start.rate or 0) > 0:
+            raise ValueError
+    except (KeyError, ValueError):
+        raise InputError(f"--sessions: expected back_to_back, stagger:SECONDS or poisson:RATE "
+                         f"(a positive number), got {sessions!r}") from None
+    return open_trace(trace, fmt, TraceOptions(block_tokens=block_tokens, hash_ids_cover=cover,
+                                               sessions=start))
+
+
 @trace_app.command("stats")
 def trace_stats_cmd(
-    trace: Annotated[Path, typer.Argument(help="Mooncake JSONL trace.")],
+    trace: Annotated[Path, typer.Argument(help="Trace file (a folder for weka).")],
     json_path: JsonOption = None,
+    fmt: FormatOption = "auto",
+    block_tokens: BlockTokensOption = None,
+    cover: CoverOption = None,
+    sessions: SessionsOption = "back_to_back",
 ) -> None:
-    """Summarise a trace: size, rate, length percentiles, ideal hit rate by block size."""
+    """Summarise a trace: format, native block size and length convention, size, rate, length
+    percentiles, ideal hit rate by block size (below the native block size: not resolvable)."""
     from rich.table import Table
 
     from .results import write_json_atomic
-    from .traffic import read_mooncake, trace_stats
+    from .traffic import trace_stats
 
-    stats = trace_stats(list(read_mooncake(trace)))
+    reader = _open_trace(trace, fmt, block_tokens, cover, sessions)
+    stats = trace_stats(list(reader), reader=reader)
     if json_path is not None:
         write_json_atomic(json_path, stats)
     table = Table(title=f"{trace.name}", title_justify="left")
     table.add_column("statistic")
     table.add_column("value", justify="right")
+    native = stats["native_block_tokens"]
+    table.add_row("format", stats["format"])
+    table.add_row("native block size", "none (no prefix information)" if native is None
+                  else "exact tokens" if native == 1 else f"{native} tokens per hash id")
+    table.add_row("length convention", stats["convention"])
+    if stats["requests_without_prefix_info"]:
+        table.add_row("requests without prefix information",
+                      f"{stats['requests_without_prefix_info']:,}")
     table.add_row("requests", f"{stats['requests']:,}")
     table.add_row("duration", f"{stats['duration_s']:,.1f} s")
     rate = stats["rate_rps"]
@@ -227,8 +280,37 @@ def trace_stats_cmd(
         table.add_row(kind.replace("_", " ") + " p50/p90/p99/max",
                       f"{d['p50']:,.0f} / {d['p90']:,.0f} / {d['p99']:,.0f} / {d['max']:,.0f}")
     for bs, rate in stats["ideal_hit_rate"].items():
-        table.add_row(f"ideal hit rate @ {bs} tokens/block", f"{100 * rate:.2f}%")
+        value = f"{100 * rate:.2f}%"
+        if not stats["ideal_resolvable"][bs]:
+            value = ("n/a (no prefix information)" if native is None
+                     else f">= {value} (below native {native}: not resolvable)")
+        table.add_row(f"ideal hit rate @ {bs} tokens/block", value)
     out.print(table)
+
+
+@trace_app.command("convert")
+def trace_convert_cmd(
+    trace: Annotated[Path, typer.Argument(help="Trace to read (a folder for weka).")],
+    output: Annotated[Path, typer.Argument(help="JSONL file to write.")],
+    to: Annotated[str, typer.Option("--to", help="mooncake (hash ids) or token_ids.")] = "mooncake",
+    fmt: FormatOption = "auto",
+    block_tokens: BlockTokensOption = None,
+    cover: CoverOption = None,
+    sessions: SessionsOption = "back_to_back",
+    out_block_tokens: Annotated[Optional[int], typer.Option(
+        "--out-block-tokens", min=1, help="Block size of the Mooncake ids written for a "
+        "token-id trace (a hash-id trace keeps its own).")] = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Convert a trace to Mooncake JSONL at its own block size (or to token-id JSONL)."""
+    from .traffic.convert import convert
+
+    reader = _open_trace(trace, fmt, block_tokens, cover, sessions)
+    n, block = convert(reader, output, to, out_block_tokens)
+    if not quiet:
+        how = (f"requests.format: mooncake, requests.block_tokens: {block}" if to == "mooncake"
+               else "requests.format: token_ids")
+        err.print(f"wrote {n:,} requests to {output}; read it with {how}", highlight=False)
 
 
 class _progress:
@@ -256,8 +338,24 @@ class _progress:
             self.bar.stop()
 
 
+def _show_trace_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    from .traffic import TraceWarning
+
+    if issubclass(category, TraceWarning):
+        err.print(f"kvbench: warning: {message}", highlight=False, markup=False, soft_wrap=True)
+    else:
+        _default_showwarning(message, category, filename, lineno, file, line)
+
+
+_default_showwarning = warnings.showwarning
+
+
 def main() -> None:
     """Entry point: exit 0 ok, 1 runtime failure, 2 bad input, 3 regression found."""
+    from .traffic import TraceWarning
+
+    warnings.simplefilter("always", TraceWarning)
+    warnings.showwarning = _show_trace_warning
     try:
         app()  # usage errors exit 2 inside, as Click does
     except InputError as exc:

@@ -303,17 +303,73 @@ class SyntheticConfig(_Section):
     vocab_size: int = Field(32000, gt=0, description="Token ids are drawn from [0, vocab_size).")
 
 
+class SessionsConfig(_Section):
+    """When sessions that carry no absolute time start (weka conversations, untimed traces)."""
+
+    start: Literal["back_to_back", "stagger", "poisson"] = Field(
+        "back_to_back",
+        description="back_to_back = each when the previous one's last request arrives; "
+        "stagger = every interval_s; poisson = exponential gaps at rate.",
+    )
+    interval_s: float | None = Field(
+        None, gt=0, validate_default=True, description="stagger: seconds between session starts."
+    )
+    rate: float | None = Field(
+        None, gt=0, validate_default=True, description="poisson: sessions started per second."
+    )
+
+    @field_validator("interval_s")
+    @classmethod
+    def _interval_for_stagger(cls, value: float | None, info: ValidationInfo) -> float | None:
+        return _needed_by(value, info, "stagger", "interval_s")
+
+    @field_validator("rate")
+    @classmethod
+    def _rate_for_poisson(cls, value: float | None, info: ValidationInfo) -> float | None:
+        return _needed_by(value, info, "poisson", "rate")
+
+
+def _needed_by(value, info: ValidationInfo, start: str, key: str):
+    chosen = info.data.get("start")
+    if chosen == start and value is None:
+        raise ValueError(f"required when requests.sessions.start is '{start}'")
+    if chosen is not None and chosen != start and value is not None:
+        raise ValueError(f"only used when requests.sessions.start is '{start}' (got {_show(value)})")
+    return value
+
+
 class RequestsConfig(_Section):
     """Where requests come from."""
 
     source: Literal["synthetic", "trace"] = Field(
         "synthetic", description="synthetic generator or trace file."
     )
-    format: Literal["mooncake"] = Field("mooncake", description="Trace format.")
+    format: Literal["auto", "mooncake", "bailian", "servegen", "weka", "token_ids",
+                    "lengths_csv"] = Field(
+        "auto", description="Trace format; auto = sniffed from the first record."
+    )
     path: str | None = Field(
         None,
         validate_default=True,
-        description="Trace file, relative to the YAML file; required when source is trace.",
+        description="Trace file (a folder for weka), relative to the YAML file; required when "
+        "source is trace.",
+    )
+    block_tokens: int | None = Field(
+        None, gt=0, le=1 << 20,
+        description="Tokens per hash id; null = the format's (mooncake 512, bailian and "
+        "servegen 16, weka the file's block_size).",
+    )
+    hash_ids_cover: Literal["ceil", "floor", "auto"] | None = Field(
+        None,
+        description="ceil = one id per block incl. the partial last one; floor = full blocks "
+        "only; auto = detected per trace; null = the format's (weka floor, others ceil).",
+    )
+    sessions: SessionsConfig = Field(
+        default_factory=SessionsConfig, description="Start times of sessions without them."
+    )
+    output_length: int = Field(
+        128, ge=0, description="Output tokens of each request of a trace that records none "
+        "(servegen)."
     )
     limit: int | None = Field(None, gt=0, description="Use only the first N requests.")
     time_scale: float = Field(1.0, gt=0, description="Arrival times are multiplied by this.")

@@ -19,8 +19,9 @@ from .errors import InputError
 from .metrics import percentile_summary, unregistered
 from .oracle import reference_hit_rates
 from .results import RunOutcome
-from .traffic import Request, load_requests
+from .traffic import Request, load_traffic
 from .traffic.decoding import apply_decoding
+from .traffic.tracefile import warn
 
 ProgressFactory = Callable[[str, int], Callable[[int], None]]
 """(description, total) -> advance(n): how a run reports progress (a rich bar in the CLI)."""
@@ -78,9 +79,13 @@ def run_workload(workload: Workload, progress: ProgressFactory | None = None) ->
 
 def _load(wl: Workload) -> list[Request]:
     base = wl.source_path.parent if wl.source_path is not None else resolve_path(wl, ".")
-    requests = load_requests(wl.requests, base_dir=base, seed=wl.run.seed)
+    requests, reader = load_traffic(wl.requests, base_dir=base, seed=wl.run.seed)
     if not requests:
         raise InputError(f"{_where(wl)}: requests: the request stream is empty")
+    if reader is not None and reader.without_ids == len(requests) and wl.run.mode == "cache":
+        warn(f"{reader.path}: the trace has no prefix information ({reader.format}: arrivals "
+             "and lengths only), so cache mode has nothing to reuse and its hit rates are 0 "
+             "by construction; run.mode: serve uses such a trace as it is")
     apply_decoding(requests, wl.requests, wl.run.seed)
     return requests
 

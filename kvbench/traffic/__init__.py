@@ -9,11 +9,15 @@ import numpy as np
 
 from kvbench.errors import InputError
 from kvbench.metrics import percentile_summary
+from kvbench.traffic.formats import FORMATS, open_trace, sniff
 from kvbench.traffic.mooncake import read_mooncake
 from kvbench.traffic.request import Request
 from kvbench.traffic.synthetic import generate
+from kvbench.traffic.tracefile import SessionStart, TraceOptions, TraceReader, TraceWarning
 
-__all__ = ["Request", "generate", "load_requests", "read_mooncake", "trace_stats"]
+__all__ = ["FORMATS", "Request", "TraceOptions", "TraceReader", "TraceWarning", "generate",
+           "load_requests", "open_trace", "read_mooncake", "sniff", "trace_options",
+           "trace_stats"]
 
 DEFAULT_STATS_BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
 
@@ -23,6 +27,13 @@ def load_requests(requests_cfg, *, base_dir: Path, seed: int) -> list[Request]:
 
     A relative trace path is taken relative to `base_dir` (the workload file's folder).
     """
+    return load_traffic(requests_cfg, base_dir=base_dir, seed=seed)[0]
+
+
+def load_traffic(requests_cfg, *, base_dir: Path, seed: int
+                 ) -> tuple[list[Request], TraceReader | None]:
+    """`load_requests` and, for a trace, the reader that read it (its block size and
+    convention); None for synthetic traffic."""
     limit = requests_cfg.limit
     time_scale = requests_cfg.time_scale
     if requests_cfg.source == "synthetic":
@@ -31,24 +42,40 @@ def load_requests(requests_cfg, *, base_dir: Path, seed: int) -> list[Request]:
             del requests[limit:]
         for r in requests:
             r.arrival_s *= time_scale
-        return requests
+        return requests, None
     if requests_cfg.source == "trace":
-        if requests_cfg.format != "mooncake":
-            raise InputError(f"requests.format: unknown trace format {requests_cfg.format!r}")
-        path = Path(requests_cfg.path)
-        if not path.is_absolute():
-            path = base_dir / path
-        return list(read_mooncake(path, time_scale=time_scale, limit=limit))
+        reader = open_trace(trace_path(requests_cfg, base_dir), requests_cfg.format,
+                            trace_options(requests_cfg, seed))
+        return list(reader), reader
     raise InputError(f"requests.source: unknown source {requests_cfg.source!r}")
 
 
+def trace_path(requests_cfg, base_dir: Path) -> Path:
+    path = Path(requests_cfg.path).expanduser()
+    return path if path.is_absolute() else base_dir / path
+
+
+def trace_options(requests_cfg, seed: int) -> TraceOptions:
+    """The reader options of a workload's `requests` section."""
+    sessions = requests_cfg.sessions
+    return TraceOptions(
+        block_tokens=requests_cfg.block_tokens, hash_ids_cover=requests_cfg.hash_ids_cover,
+        sessions=SessionStart(sessions.start, sessions.interval_s, sessions.rate),
+        output_length=requests_cfg.output_length, seed=seed,
+        time_scale=requests_cfg.time_scale, limit=requests_cfg.limit)
+
+
 def trace_stats(
-    requests: Sequence[Request], block_sizes: Sequence[int] = DEFAULT_STATS_BLOCK_SIZES
+    requests: Sequence[Request], block_sizes: Sequence[int] = DEFAULT_STATS_BLOCK_SIZES,
+    reader: TraceReader | None = None,
 ) -> dict:
     """Size, rate, length percentiles and the ideal full-block hit rate per block size.
 
     The ideal hit rate is the hit rate of an unlimited cache replaying the requests in order:
     each reuses its longest prefix of full blocks seen before, except the last prompt token.
+    With the `reader` that read them: the trace's native block size (tokens per hash id) and
+    length convention; an ideal below the native block size is not resolvable (the trace does
+    not say where inside a block two prompts diverge), so it is marked, as a lower bound.
     """
     n = len(requests)
     inputs = np.fromiter((r.input_length for r in requests), dtype=np.int64, count=n)
@@ -56,8 +83,11 @@ def trace_stats(
     arrivals = np.fromiter((r.arrival_s for r in requests), dtype=np.float64, count=n)
     duration = float(arrivals.max() - arrivals.min()) if n else 0.0
     prompt_tokens = int(inputs.sum())
+    native = reader.block_tokens if reader is not None else None
+    if native is not None and native > 1 and native not in block_sizes:
+        block_sizes = sorted({*block_sizes, native})
     reused = _ideal_reused_tokens(requests, inputs, block_sizes)
-    return {
+    stats = {
         "requests": n,
         "duration_s": duration,
         "rate_rps": n / duration if duration > 0 else None,
@@ -69,6 +99,15 @@ def trace_stats(
             bs: (reused[bs] / prompt_tokens if prompt_tokens else 0.0) for bs in block_sizes
         },
     }
+    if reader is not None:
+        stats.update({
+            "format": reader.format,
+            "native_block_tokens": native,
+            "convention": reader.convention(),
+            "requests_without_prefix_info": reader.without_ids,
+            "ideal_resolvable": {bs: native is not None and bs >= native for bs in block_sizes},
+        })
+    return stats
 
 
 def _ideal_reused_tokens(

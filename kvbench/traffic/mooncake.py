@@ -1,159 +1,203 @@
-"""Reader for Mooncake FAST'25 JSONL traces.
+"""Reader for Mooncake FAST'25 JSONL traces and AIPerf's extensions of the format.
 
 One JSON object a line: `{"timestamp": ms, "input_length": int, "output_length": int,
-"hash_ids": [int, ...]}`, where `hash_ids` are prefix-chained ids of 512-token blocks. The reader
-streams (the file is never held in memory) and is strict: a malformed trace would otherwise give
-silently wrong hit rates, so every problem is one `FILE:LINE: what is wrong` error.
+"hash_ids": [...]}`, where `hash_ids` are prefix-chained ids of `requests.block_tokens`-token
+blocks (512 in the Mooncake release), one per block including the partial last one (`ceil`;
+`requests.hash_ids_cover` says otherwise). AIPerf adds an optional `session_id`, `delay` (ms after
+the previous request of the same session) in place of `timestamp`, and makes `hash_ids` optional
+(absent: the prompt shares nothing). A trace either times every line or none; untimed sessions
+start by `requests.sessions`.
+
+Integer ids below 2**38 are used as they are (the Mooncake release's ids, so results stay those of
+the raw trace); every other id (strings, 64-bit hashes, negative numbers) is remapped to a dense
+id at or above 2**38, so the two ranges never meet. The reader checks that ids are
+prefix-chained (an id always follows the same parent): the cache identifies a trace prefix by
+(id, end), which is only sound then.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 
-from kvbench.errors import InputError
 from kvbench.traffic.request import _END_BITS, Request
+from kvbench.traffic.tracefile import (
+    MAX_BLOCK_TOKENS,
+    MAX_DENSE_ID,
+    BadField,
+    Cover,
+    TraceOptions,
+    TraceReader,
+    UnitCheck,
+    check_int,
+    check_number,
+    fail,
+    jsonl_records,
+    need,
+    session_starts,
+    show,
+)
 
 TRACE_BLOCK_TOKENS = 512
 # Request packs (hash id, prefix end) into one int64 key; larger values would silently wrap.
 MAX_INPUT_LENGTH = 1 << _END_BITS
-MAX_TRACE_HASH_ID = (1 << (63 - _END_BITS)) - 1
-_INT_FIELDS = ("input_length", "output_length")
+IDENTITY_IDS = 1 << 38
 
 
 def read_mooncake(
     path: Path, *, time_scale: float = 1.0, limit: int | None = None
 ) -> Iterator[Request]:
-    """The trace's requests in file order; ids count requests from 0, blank lines skipped.
-
-    `time_scale` multiplies arrival times (0.5 replays twice as fast); `limit` stops after that
-    many requests without reading the rest of the file. A missing file fails here, at the call;
-    a bad line fails when iteration reaches it.
-    """
-    if not (time_scale > 0 and math.isfinite(time_scale)):
-        raise ValueError(f"time_scale must be a positive number, got {time_scale}")
-    if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise InputError(f"{path}: cannot read trace: {e.strerror or e}") from None
-    return _parse(f, str(path), time_scale, limit)
+    """The trace's requests in file order with the Mooncake release's defaults (512-token ids,
+    ceil); `time_scale` multiplies arrival times, `limit` stops after that many requests."""
+    return iter(MooncakeReader(path, TraceOptions(time_scale=time_scale, limit=limit)))
 
 
-class _BadLine(Exception):
-    """What is wrong with one line; `_parse` adds the file and line number."""
+class MooncakeReader(TraceReader):
+    format = "mooncake"
+    description = "a Mooncake trace (`timestamp`, `input_length`, `hash_ids`)"
 
+    def __init__(self, path: Path, opts: TraceOptions) -> None:
+        super().__init__(path, opts)
+        self.block_tokens = opts.block_tokens or TRACE_BLOCK_TOKENS
+        if not 0 < self.block_tokens <= MAX_BLOCK_TOKENS:
+            raise ValueError(f"block_tokens must be in [1, {MAX_BLOCK_TOKENS}]")
+        self.cover = Cover(opts.hash_ids_cover or "ceil", self.block_tokens)
+        self._records = jsonl_records(self.path)
 
-def _parse(f: BinaryIO, name: str, time_scale: float, limit: int | None) -> Iterator[Request]:
-    count = 0
-    prev_ts: float = 0
-    # The cache identifies a trace prefix by (id, end), which is only sound if an id always
-    # follows the same parent, so that is checked too (None = first block).
-    parent_of: dict[int, int | None] = {}
-    with f:
-        for lineno, raw in enumerate(f, 1):
-            if limit is not None and count >= limit:
-                return
-            if not raw.strip():
-                continue
+    def _requests(self) -> Iterator[Request]:
+        name = str(self.path)
+        block = self.block_tokens
+        ids = _Ids()
+        units = UnitCheck("timestamp", "ms")
+        timed = None
+        prev_ts: float = 0
+        sessions: dict = {}  # untimed: session -> [offset ms, [(offset ms, order, request)]]
+        order = 0
+        for lineno, obj in self._records:
+            if timed is None:
+                timed = "timestamp" in obj
             try:
-                ts, input_length, output_length, ids = _parse_line(raw, prev_ts, parent_of)
-            except _BadLine as e:
-                raise InputError(f"{name}:{lineno}: {e}") from None
-            yield Request(
-                id=count,
-                arrival_s=ts / 1000 * time_scale,
-                input_length=input_length,
-                output_length=output_length,
-                hash_ids=np.array(ids, dtype=np.int64),
-                trace_block_tokens=TRACE_BLOCK_TOKENS,
-            )
-            count += 1
-            prev_ts = ts
+                ts, input_length, output_length = _times_and_lengths(obj, timed, prev_ts)
+                raw = obj.get("hash_ids")
+                if raw is None and "hash_ids" not in obj:
+                    # One block size per trace keeps `Request.tokens_at` injective.
+                    self.without_ids += 1
+                    dense = ids.fresh_blocks(input_length, block)
+                else:
+                    dense = ids.chain(raw, input_length, self.cover, lineno)
+            except BadField as e:
+                raise fail(name, lineno, str(e)) from None
+            if timed:
+                units.check(name, lineno, ts)
+                prev_ts = ts
+                yield Request(
+                    id=0, arrival_s=ts / 1000, input_length=input_length,
+                    output_length=output_length, hash_ids=np.array(dense, dtype=np.int64),
+                    trace_block_tokens=block)
+                continue
+            sid = obj.get("session_id", ("line", lineno))
+            entry = sessions.get(sid)
+            if entry is None:
+                entry = sessions[sid] = [0.0, []]
+            entry[0] += ts  # untimed: ts is the delay after the session's previous request
+            entry[1].append((entry[0], order, Request(
+                id=0, arrival_s=0.0, input_length=input_length, output_length=output_length,
+                hash_ids=np.array(dense, dtype=np.int64), trace_block_tokens=block)))
+            order += 1
+        if sessions:
+            yield from _place(list(sessions.values()), self.opts)
 
 
-def _parse_line(
-    raw: bytes, prev_ts: float, parent_of: dict[int, int | None]
-) -> tuple[float, int, int, list[int]]:
-    try:
-        obj = json.loads(raw.rstrip(b"\r\n"))
-    except UnicodeDecodeError:
-        raise _BadLine("not UTF-8 text") from None
-    except json.JSONDecodeError as e:
-        # json's own position says "line 1", which would contradict the file line number.
-        raise _BadLine(f"invalid JSON at column {e.colno}: {e.msg}") from None
-    if not isinstance(obj, dict):
-        raise _BadLine(f"expected a JSON object, got {_json_type(obj)}")
-    for key in ("timestamp", *_INT_FIELDS, "hash_ids"):
-        if key not in obj:
-            raise _BadLine(f"missing field '{key}'")
-
-    ts = obj["timestamp"]
-    if type(ts) not in (int, float) or not math.isfinite(ts):
-        raise _BadLine(f"'timestamp' must be a number (ms), got {_show(ts)}")
-    if ts < 0:
-        raise _BadLine(f"'timestamp' must be >= 0, got {ts}")
-    if ts < prev_ts:
-        raise _BadLine(f"timestamp {ts} is before the previous request's {prev_ts}")
-    for key in _INT_FIELDS:
-        if type(obj[key]) is not int:
-            raise _BadLine(f"'{key}' must be an integer, got {_show(obj[key])}")
-    input_length = obj["input_length"]
-    output_length = obj["output_length"]
-    if not 0 < input_length < MAX_INPUT_LENGTH:
-        raise _BadLine(
-            f"'input_length' must be in [1, {MAX_INPUT_LENGTH - 1}], got {input_length}"
-        )
-    if output_length < 0:
-        raise _BadLine(f"'output_length' must be >= 0, got {output_length}")
-
-    ids = obj["hash_ids"]
-    if type(ids) is not list:
-        raise _BadLine(f"'hash_ids' must be a list of integers, got {_show(ids)}")
-    expected = -(-input_length // TRACE_BLOCK_TOKENS)
-    if len(ids) != expected:
-        raise _BadLine(
-            f"'hash_ids' has {len(ids)} ids, but input_length {input_length} needs "
-            f"{expected} (blocks of {TRACE_BLOCK_TOKENS} tokens)"
-        )
-    parent = None
-    for h in ids:
-        if type(h) is not int:
-            raise _BadLine(f"'hash_ids' must hold integers, got {_show(h)}")
-        if not 0 <= h <= MAX_TRACE_HASH_ID:
-            raise _BadLine(f"hash id {h} is out of range [0, {MAX_TRACE_HASH_ID}]")
-        seen = parent_of.setdefault(h, parent)
-        if seen != parent:
-            raise _BadLine(
-                f"hash id {h} follows {_parent(parent)} here but {_parent(seen)} earlier "
-                f"(ids must be prefix-chained)"
-            )
-        parent = h
-    return ts, input_length, output_length, ids
+def _place(sessions: list, opts: TraceOptions) -> Iterator[Request]:
+    starts = session_starts([s[0] / 1000 for s in sessions], opts.sessions, opts.seed)
+    placed = []
+    for start, (_, items) in zip(starts, sessions):
+        for offset, order, r in items:
+            r.arrival_s = start + offset / 1000
+            placed.append((r.arrival_s, order, r))
+    placed.sort(key=lambda x: (x[0], x[1]))
+    for _, _, r in placed:
+        yield r
 
 
-def _json_type(value: object) -> str:
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, str):
-        return "a string"
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    return "a number"
+def _times_and_lengths(obj: dict, timed: bool, prev_ts: float) -> tuple[float, int, int]:
+    """The line's time (timed: `timestamp` ms; untimed: `delay` ms, 0 when absent) and lengths."""
+    if timed:
+        for key in ("timestamp", "input_length", "output_length"):
+            need(obj, key)
+        if "delay" in obj:
+            raise BadField("'delay' and 'timestamp' on one line: give one of them")
+        ts = check_number("timestamp", obj["timestamp"], "ms")
+        if ts < prev_ts:
+            raise BadField(f"timestamp {ts} is before the previous request's {prev_ts}")
+    else:
+        if "timestamp" in obj:
+            raise BadField("'timestamp' on a line of a trace whose first line has none: time "
+                           "every line, or none (AIPerf sessions with 'delay')")
+        for key in ("input_length", "output_length"):
+            need(obj, key)
+        ts = check_number("delay", obj["delay"], "ms") if "delay" in obj else 0.0
+        sid = obj.get("session_id")
+        if "session_id" in obj and type(sid) not in (int, str):
+            raise BadField(f"'session_id' must be an integer or a string, got {show(sid)}")
+    input_length = check_int("input_length", obj["input_length"], 1, MAX_INPUT_LENGTH - 1)
+    output_length = check_int("output_length", obj["output_length"], 0)
+    return ts, input_length, output_length
 
 
-def _show(value: object) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+class _Ids:
+    """Raw ids -> the ids requests carry (see the module docstring), with the chain check."""
+
+    __slots__ = ("parent_of", "remap", "next")
+
+    def __init__(self) -> None:
+        # The cache identifies a trace prefix by (id, end), which is only sound if an id always
+        # follows the same parent (None = first block).
+        self.parent_of: dict[int, int | None] = {}
+        self.remap: dict = {}
+        self.next = IDENTITY_IDS
+
+    def fresh(self) -> int:
+        dense = self.next
+        if dense > MAX_DENSE_ID:
+            raise BadField(f"more than {MAX_DENSE_ID - IDENTITY_IDS + 1} remapped trace blocks")
+        self.next = dense + 1
+        return dense
+
+    def fresh_blocks(self, length: int, block: int) -> list[int]:
+        return [self.fresh() for _ in range(-(-length // block))]
+
+    def chain(self, raw, input_length: int, cover: Cover, lineno: int) -> list[int]:
+        if type(raw) is not list:
+            raise BadField(f"'hash_ids' must be a list of integers or strings, got {show(raw)}")
+        tail = cover.check(len(raw), input_length, lineno)
+        parent_of, remap = self.parent_of, self.remap
+        out = []
+        parent = raw_parent = None
+        for h in raw:
+            if type(h) is int and 0 <= h < IDENTITY_IDS:
+                dense = h
+            elif type(h) is int or type(h) is str:
+                dense = remap.get(h)
+                if dense is None:
+                    dense = remap[h] = self.fresh()
+            else:
+                raise BadField(f"'hash_ids' must hold integers or strings, got {show(h)}")
+            seen = parent_of.setdefault(dense, parent)
+            if seen != parent:
+                earlier = "nothing (first block)" if seen is None else (
+                    str(seen) if seen < IDENTITY_IDS else "another id")
+                raise BadField(
+                    f"hash id {show(h)} follows {_parent(raw_parent)} here but {earlier} "
+                    f"earlier (ids must be prefix-chained)")
+            out.append(dense)
+            parent, raw_parent = dense, h
+        if tail:
+            out.append(self.fresh())
+        return out
 
 
-def _parent(parent: int | None) -> str:
-    return "nothing (first block)" if parent is None else str(parent)
+def _parent(parent) -> str:
+    return "nothing (first block)" if parent is None else show(parent)

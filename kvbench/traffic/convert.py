@@ -1,0 +1,91 @@
+"""`kvbench trace convert`: any supported trace -> Mooncake JSONL at the trace's own block size
+(or token-id JSONL), so the same traffic can feed other tools (AIPerf, Dynamo) and be shared."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from kvbench.errors import InputError
+from kvbench.traffic.request import Request
+from kvbench.traffic.tracefile import ChainedIds, TraceReader
+
+TARGETS = ("mooncake", "token_ids")
+
+
+def convert(reader: TraceReader, out: Path, to: str = "mooncake",
+            block_tokens: int | None = None) -> tuple[int, int | None]:
+    """Write `reader`'s requests to `out`; returns (requests written, block size of the ids).
+
+    To Mooncake: `timestamp` ms, lengths and ceil `hash_ids` of the trace's own block size
+    (a floor trace's partial tail gets an id of its own); a token-id trace needs
+    `block_tokens` and gets chained ids of its token blocks. To token ids: `input_ids` are the
+    tokens kvbench derives from the hash ids (id x block + offset: equal exactly where the trace
+    says the prompts are equal, not vocabulary ids)."""
+    if to not in TARGETS:
+        raise InputError(f"--to: expected one of {', '.join(TARGETS)}, got {to!r}")
+    if to == "token_ids":
+        return _write_lines(out, (_token_line(r) for r in reader)), 1
+    return _to_mooncake(reader, out, block_tokens)
+
+
+def _to_mooncake(reader: TraceReader, out: Path, block_tokens: int | None):
+    if reader.block_tokens == 1:  # explicit tokens: hash their blocks
+        if block_tokens is None:
+            raise InputError("--block-tokens: required to convert a token-id trace to Mooncake "
+                             "hash ids")
+        table = ChainedIds()
+        lines = (_mooncake_line(r, _token_block_ids(r, block_tokens, table)) for r in reader)
+        return _write_lines(out, lines), block_tokens
+    if block_tokens is not None:
+        raise InputError(f"--block-tokens: a {reader.format} trace keeps its own block size")
+    sizes: set[int] = set()
+
+    def lines() -> Iterator[str]:
+        for r in reader:
+            sizes.add(r.trace_block_tokens)
+            yield _mooncake_line(r, r.hash_ids.tolist())
+
+    n = _write_lines(out, lines())
+    return n, (sizes.pop() if len(sizes) == 1 else reader.block_tokens)
+
+
+def _token_block_ids(r: Request, block: int, table: ChainedIds) -> list[int]:
+    tokens = r.prompt_tokens().tolist()
+    return table.chain([tuple(tokens[i:i + block]) for i in range(0, len(tokens), block)])
+
+
+def _mooncake_line(r: Request, ids: list[int]) -> str:
+    ms = r.arrival_s * 1000
+    ts = int(ms) if float(ms).is_integer() else round(ms, 6)
+    return json.dumps({"timestamp": ts, "input_length": r.input_length,
+                       "output_length": r.output_length, "hash_ids": ids})
+
+
+def _token_line(r: Request) -> str:
+    ms = r.arrival_s * 1000
+    ts = int(ms) if float(ms).is_integer() else round(ms, 6)
+    return json.dumps({"task_id": r.id, "timestamp": ts,
+                       "input_ids": r.prompt_tokens().tolist(), "output_tokens": r.output_length})
+
+
+def _write_lines(path: Path, lines: Iterable[str]) -> int:
+    """Write via a temporary file in the same folder and rename: never half a trace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    n = 0
+    try:
+        with os.fdopen(fd, "w") as f:
+            for line in lines:
+                f.write(line)
+                f.write("\n")
+                n += 1
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return n

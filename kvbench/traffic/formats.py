@@ -1,0 +1,91 @@
+"""Trace formats by name (`requests.format`), and `auto`: sniffing a trace's first record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvbench.errors import InputError
+from kvbench.traffic.bailian import BailianReader
+from kvbench.traffic.lengths_csv import LAYOUTS, LengthsCsvReader
+from kvbench.traffic.mooncake import MooncakeReader
+from kvbench.traffic.servegen import ServeGenReader
+from kvbench.traffic.token_ids import TokenIdsReader
+from kvbench.traffic.tracefile import TraceOptions, TraceReader
+from kvbench.traffic.weka import WekaReader
+
+READERS: dict[str, type[TraceReader]] = {
+    r.format: r for r in (MooncakeReader, BailianReader, ServeGenReader, WekaReader,
+                          TokenIdsReader, LengthsCsvReader)
+}
+FORMATS = ("auto", *READERS)
+_SNIFF_BYTES = 1 << 16
+_WHOLE_JSON_BYTES = 64 << 20
+
+
+def open_trace(path: Path, fmt: str = "auto", opts: TraceOptions = TraceOptions()) -> TraceReader:
+    """A reader of the trace at `path` in format `fmt` (`auto`: sniffed from its first record)."""
+    path = Path(path)
+    if fmt == "auto":
+        fmt, _ = sniff(path)
+    reader = READERS.get(fmt)
+    if reader is None:
+        raise InputError(f"requests.format: unknown trace format {fmt!r} (expected one of "
+                         f"{', '.join(FORMATS)})")
+    return reader(path, opts)
+
+
+def sniff(path: Path) -> tuple[str, str]:
+    """(format, what the file looks like) from the trace's first record."""
+    path = Path(path)
+    if path.is_dir():
+        return "weka", "a folder of kv-cache-tester conversations"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read trace: {e.strerror or e}") from None
+    text = head.decode("utf-8", errors="replace").lstrip("\ufeff")
+    first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    obj = None
+    if first.lstrip().startswith("{"):
+        try:
+            obj = json.loads(first)
+        except json.JSONDecodeError:
+            obj = _whole_json(path)
+    if isinstance(obj, dict):
+        found = _by_keys(obj)
+        if found is not None:
+            return found
+    header = [h.strip() for h in first.split(",")]
+    for layout, names in LAYOUTS.items():
+        if all(n in header for n in names):
+            return "lengths_csv", f"a {layout} CSV trace ({', '.join(names)})"
+    raise InputError(f"{path}:1: cannot tell the trace format from the first record; set "
+                     f"requests.format to one of {', '.join(READERS)}")
+
+
+def _whole_json(path: Path):
+    """A JSON document spread over lines (one weka conversation file)."""
+    if path.stat().st_size > _WHOLE_JSON_BYTES:
+        return None
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def _by_keys(obj: dict) -> tuple[str, str] | None:
+    if "requests" in obj and "block_size" in obj:
+        return "weka", (f"a kv-cache-tester trace (`requests`, `block_size: "
+                        f"{json.dumps(obj['block_size'])}`)")
+    if "input_ids" in obj:
+        return "token_ids", "a token-id trace (`input_ids`)"
+    if "chat_id" in obj or "parent_chat_id" in obj:
+        return "bailian", "a Bailian trace (`chat_id`, `parent_chat_id`)"
+    if "img_ids" in obj or ("request_id" in obj and "hash_ids" in obj and "timestamp" not in obj):
+        return "servegen", "a ServeGen trace (`request_id`, `img_ids`, no `timestamp`)"
+    if "hash_ids" in obj or "input_length" in obj:
+        keys = [k for k in ("timestamp", "delay", "session_id", "hash_ids") if k in obj]
+        return "mooncake", f"a Mooncake trace ({', '.join(f'`{k}`' for k in keys)})"
+    return None

@@ -1,0 +1,140 @@
+"""Reader for CSV traces of arrivals and lengths only: Azure LLM inference traces
+(`TIMESTAMP,ContextTokens,GeneratedTokens`, TIMESTAMP a date and time) and BurstGPT
+(`Timestamp,Model,Request tokens,Response tokens,...`, Timestamp in seconds). Arrivals count from
+the first row. There is no prefix information: every prompt gets ids nothing else has, so serve
+mode runs them as they are and cache mode has nothing to reuse (the runner says so).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from kvbench.traffic.mooncake import MAX_INPUT_LENGTH
+from kvbench.traffic.request import Request
+from kvbench.traffic.tracefile import (
+    UNKNOWN_BLOCK_TOKENS,
+    BadField,
+    ChainedIds,
+    TraceOptions,
+    TraceReader,
+    UnitCheck,
+    fail,
+    open_binary,
+)
+
+# (timestamp, input length, output length) column names per known layout.
+LAYOUTS = {
+    "Azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+    "BurstGPT": ("Timestamp", "Request tokens", "Response tokens"),
+}
+
+
+class LengthsCsvReader(TraceReader):
+    format = "lengths_csv"
+    description = "a lengths-only CSV trace (Azure or BurstGPT header)"
+
+    def __init__(self, path: Path, opts: TraceOptions) -> None:
+        super().__init__(path, opts)
+        self.block_tokens = None
+        self._file = open_binary(self.path)
+
+    def _requests(self) -> Iterator[Request]:
+        name = str(self.path)
+        table = ChainedIds()
+        with self._file as f:
+            text = io.TextIOWrapper(f, encoding="utf-8", newline="")
+            rows = csv.reader(text)
+            try:
+                header = next(rows, None)
+            except UnicodeDecodeError:
+                raise fail(name, 1, "not UTF-8 text") from None
+            if header is None:
+                return
+            columns = _columns(name, [h.strip() for h in header])
+            first = prev = None
+            lineno = 1
+            while True:
+                try:
+                    row = next(rows, None)
+                except UnicodeDecodeError:
+                    raise fail(name, lineno + 1, "not UTF-8 text") from None
+                except csv.Error as e:
+                    raise fail(name, lineno + 1, f"bad CSV: {e}") from None
+                if row is None:
+                    return
+                lineno = rows.line_num
+                if not any(cell.strip() for cell in row):
+                    continue
+                try:
+                    ts, input_length, output_length = _row(row, columns)
+                    if prev is not None and ts < prev:
+                        raise BadField(f"'{columns[0][1]}' {row[columns[0][0]].strip()} is before "
+                                       "the previous row's")
+                except BadField as e:
+                    raise fail(name, lineno, str(e)) from None
+                if first is None:
+                    first = ts
+                    if not isinstance(ts, datetime):
+                        UnitCheck(columns[0][1], "s").check(name, lineno, ts)
+                prev = ts
+                offset = ts - first
+                arrival = offset.total_seconds() if isinstance(ts, datetime) else float(offset)
+                self.without_ids += 1
+                ids = [table.fresh() for _ in range(-(-input_length // UNKNOWN_BLOCK_TOKENS))]
+                yield Request(id=0, arrival_s=arrival, input_length=input_length,
+                              output_length=output_length, hash_ids=np.array(ids, dtype=np.int64),
+                              trace_block_tokens=UNKNOWN_BLOCK_TOKENS)
+
+
+def _columns(name: str, header: list[str]) -> tuple[tuple[int, str], ...]:
+    for names in LAYOUTS.values():
+        if all(n in header for n in names):
+            return tuple((header.index(n), n) for n in names)
+    known = "; ".join(f"{k}: {','.join(v)}" for k, v in LAYOUTS.items())
+    raise fail(name, 1, f"expected a header with the columns of {known}; got "
+                        f"{','.join(header)[:80]}")
+
+
+def _row(row: list[str], columns: tuple[tuple[int, str], ...]):
+    (t_col, t_name), (in_col, in_name), (out_col, out_name) = columns
+    width = max(c for c, _ in columns) + 1
+    if len(row) < width:
+        raise BadField(f"expected at least {width} columns, got {len(row)}")
+    ts = _timestamp(row[t_col].strip(), t_name)
+    input_length = _int(row[in_col].strip(), in_name, 1, MAX_INPUT_LENGTH - 1)
+    output_length = _int(row[out_col].strip(), out_name, 0, None)
+    return ts, input_length, output_length
+
+
+def _timestamp(text: str, what: str):
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None:
+        if not (value >= 0 and value != float("inf")):
+            raise BadField(f"'{what}' must be a number of seconds >= 0, got {text!r}")
+        return value
+    head, dot, frac = text.partition(".")
+    try:
+        # Azure writes 7 fractional digits; datetime takes at most 6.
+        return datetime.fromisoformat(head + (dot + frac[:6] if dot else ""))
+    except ValueError:
+        raise BadField(f"'{what}' must be seconds or a date and time, got {text!r}") from None
+
+
+def _int(text: str, what: str, low: int, high: int | None) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise BadField(f"'{what}' must be an integer, got {text!r}") from None
+    if value < low or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise BadField(f"'{what}' must be {bound}, got {value}")
+    return value

@@ -1,0 +1,78 @@
+"""Reader for Alibaba ServeGen offline traces.
+
+One JSON object a line: `request_id`, `type`, `input_length`, `hash_ids` (prefix ids of 16-token
+blocks, ceil) and `img_ids` (the images of a multimodal prompt). The trace has no times and no
+output lengths: requests arrive by `requests.sessions` (each request a session of its own;
+`back_to_back` = all at 0 in file order) and generate `requests.output_length` tokens.
+
+The trace does not say where images sit inside a prompt, so a prompt's images are the root of its
+id chain: prompts with equal text ids but different images share nothing, prompts with the same
+images (or none) share their common text prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvbench.traffic.mooncake import MAX_INPUT_LENGTH
+from kvbench.traffic.request import Request
+from kvbench.traffic.tracefile import (
+    MAX_BLOCK_TOKENS,
+    BadField,
+    ChainedIds,
+    Cover,
+    TraceOptions,
+    TraceReader,
+    chained_hash_ids,
+    check_hash_id,
+    fail,
+    jsonl_records,
+    need,
+    need_int,
+    need_str,
+    show,
+    single_request_arrivals,
+)
+
+SERVEGEN_BLOCK_TOKENS = 16
+
+
+class ServeGenReader(TraceReader):
+    format = "servegen"
+    description = "a ServeGen trace (`request_id`, `img_ids`, no timestamp)"
+
+    def __init__(self, path: Path, opts: TraceOptions) -> None:
+        super().__init__(path, opts)
+        self.block_tokens = opts.block_tokens or SERVEGEN_BLOCK_TOKENS
+        if not 0 < self.block_tokens <= MAX_BLOCK_TOKENS:
+            raise ValueError(f"block_tokens must be in [1, {MAX_BLOCK_TOKENS}]")
+        self.cover = Cover(opts.hash_ids_cover or "ceil", self.block_tokens)
+        self._records = jsonl_records(self.path)
+
+    def _requests(self) -> Iterator[Request]:
+        name = str(self.path)
+        table = ChainedIds()
+        arrivals = single_request_arrivals(self.opts.sessions, self.opts.seed)
+        for lineno, obj in self._records:
+            try:
+                for key in ("request_id", "type", "input_length", "hash_ids"):
+                    need(obj, key)
+                rid = obj["request_id"]
+                if type(rid) not in (int, str):
+                    raise BadField(f"'request_id' must be an integer or a string, got {show(rid)}")
+                need_str(obj, "type")
+                input_length = need_int(obj, "input_length", 1, MAX_INPUT_LENGTH - 1)
+                images = obj.get("img_ids", [])
+                if type(images) is not list:
+                    raise BadField(f"'img_ids' must be a list of integers or strings, got "
+                                   f"{show(images)}")
+                for h in images:
+                    check_hash_id("img_ids", h)
+                root = ("images", tuple(images)) if images else None
+                ids = chained_hash_ids(obj, table, self.cover, input_length, lineno, root)
+            except BadField as e:
+                raise fail(name, lineno, str(e)) from None
+            yield Request(id=0, arrival_s=next(arrivals), input_length=input_length,
+                          output_length=self.opts.output_length, hash_ids=ids,
+                          trace_block_tokens=self.block_tokens)

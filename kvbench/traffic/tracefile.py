@@ -1,0 +1,482 @@
+"""What every trace reader shares: one-line `FILE:LINE: what` errors, JSON records with their
+line numbers, field checks, hash-id remapping, the ceil/floor length convention, unit warnings
+and the start times of sessions that carry no absolute time.
+
+Internally a hash-id prompt is always "ceil": one dense id per trace block, the partial last
+block included (`Request.tokens_at`). Ids are remapped so their type and size do not matter
+(64-bit engine hashes, hex strings) and so that two different prefixes can never get one id:
+a remapped id is a counter value handed out once per distinct (parent id, raw id) pair, which
+also makes any id sequence prefix-chained. Blocks whose content the trace does not say (the
+partial tail under the floor convention, prompts without ids) get fresh ids that nothing else
+has, so they share nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import json.decoder
+import json.scanner
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvbench.errors import InputError
+
+# Request packs (hash id, prefix end) into one int64 key (`request._END_BITS`); ids stay below.
+MAX_DENSE_ID = (1 << 39) - 1
+MAX_BLOCK_TOKENS = 1 << 20
+# Prefix-less prompts (lengths-only traces, AIPerf lines without ids) get fresh ids of this many
+# tokens: one block size per trace keeps `Request.tokens_at` injective.
+UNKNOWN_BLOCK_TOKENS = 512
+
+
+class TraceWarning(UserWarning):
+    """Something in a trace that is probably a mistake but still readable (a unit, no prefix
+    information); the CLI prints it as one `kvbench: warning:` line."""
+
+
+class BadField(Exception):
+    """What is wrong with one record; the reader adds the file and line number."""
+
+
+def fail(name: str, lineno: int | None, message: str) -> InputError:
+    where = f"{name}:{lineno}" if lineno is not None else name
+    return InputError(f"{where}: {message}")
+
+
+def warn(message: str) -> None:
+    warnings.warn(message, TraceWarning, stacklevel=3)
+
+
+def open_binary(path: Path):
+    try:
+        return open(path, "rb")
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory (only requests.format: weka reads a folder)"
+                         ) from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read trace: {e.strerror or e}") from None
+
+
+def jsonl_records(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of every non-blank line of a JSONL file; a line that is not a JSON
+    object fails with its line number. Opened at the call, so a missing file fails there."""
+    f = open_binary(path)
+    return _jsonl(f, str(path))
+
+
+def _jsonl(f, name: str) -> Iterator[tuple[int, dict]]:
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                yield lineno, parse_json_object(raw)
+            except BadField as e:
+                raise fail(name, lineno, str(e)) from None
+
+
+def parse_json_object(raw: bytes) -> dict:
+    try:
+        obj = json.loads(raw.rstrip(b"\r\n"))
+    except UnicodeDecodeError:
+        raise BadField("not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        # json's own position says "line 1", which would contradict the file line number.
+        raise BadField(f"invalid JSON at column {e.colno}: {e.msg}") from None
+    if not isinstance(obj, dict):
+        raise BadField(f"expected a JSON object, got {json_type(obj)}")
+    return obj
+
+
+class LocatedDict(dict):
+    """A JSON object that knows the line it starts on (`load_located_json`)."""
+
+    line: int = 0
+
+
+def load_located_json(path: Path) -> Any:
+    """A whole JSON document whose objects are `LocatedDict`s, so a problem deep inside a
+    conversation file still names its line. Uses json's pure-Python scanner (per-file JSON is
+    small; JSONL traces use `jsonl_records`)."""
+    with open_binary(path) as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise fail(str(path), line, "not UTF-8 text") from None
+    decoder = json.JSONDecoder()
+
+    def parse_object(s_and_end, *args, **kw):
+        obj, end = json.decoder.JSONObject(s_and_end, *args, **kw)
+        located = LocatedDict(obj)
+        located.line = text.count("\n", 0, s_and_end[1]) + 1
+        return located, end
+
+    decoder.parse_object = parse_object
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)
+    try:
+        return decoder.decode(text)
+    except json.JSONDecodeError as e:
+        raise fail(str(path), e.lineno, f"invalid JSON at column {e.colno}: {e.msg}") from None
+
+
+# --- fields --------------------------------------------------------------------------------------
+
+
+def json_type(value: object) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, dict):
+        return "an object"
+    return "a number"
+
+
+def show(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def need(obj: dict, key: str) -> Any:
+    if key not in obj:
+        raise BadField(f"missing field '{key}'")
+    return obj[key]
+
+
+def need_int(obj: dict, key: str, low: int, high: int | None = None) -> int:
+    value = need(obj, key)
+    return check_int(key, value, low, high)
+
+
+def check_int(key: str, value: Any, low: int, high: int | None = None) -> int:
+    if type(value) is not int:
+        raise BadField(f"'{key}' must be an integer, got {show(value)}")
+    if high is not None and not low <= value <= high:
+        raise BadField(f"'{key}' must be in [{low}, {high}], got {value}")
+    if value < low:
+        raise BadField(f"'{key}' must be >= {low}, got {value}")
+    return value
+
+
+def need_number(obj: dict, key: str, unit: str) -> float:
+    value = need(obj, key)
+    return check_number(key, value, unit)
+
+
+def check_number(key: str, value: Any, unit: str) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise BadField(f"'{key}' must be a number ({unit}), got {show(value)}")
+    if value < 0:
+        raise BadField(f"'{key}' must be >= 0, got {value}")
+    return value
+
+
+def need_str(obj: dict, key: str) -> str:
+    value = need(obj, key)
+    if type(value) is not str:
+        raise BadField(f"'{key}' must be a string, got {show(value)}")
+    return value
+
+
+def need_list(obj: dict, key: str, what: str) -> list:
+    value = need(obj, key)
+    if type(value) is not list:
+        raise BadField(f"'{key}' must be a list of {what}, got {show(value)}")
+    return value
+
+
+def check_hash_id(key: str, h: Any) -> None:
+    """A raw hash id: any integer or string (numbers with a fraction, booleans and nested
+    values are mistakes, not ids)."""
+    if type(h) not in (int, str):
+        raise BadField(f"'{key}' must hold integers or strings, got {show(h)}")
+
+
+class UnitCheck:
+    """Warns once per trace about a time field whose size suggests the other unit."""
+
+    __slots__ = ("key", "expected", "reported")
+
+    def __init__(self, key: str, expected: str) -> None:
+        self.key = key
+        self.expected = expected  # "ms" or "s"
+        self.reported = False
+
+    def check(self, name: str, lineno: int, value: float) -> None:
+        if self.reported:
+            return
+        # Unix time now is ~1.7e9 s = ~1.7e12 ms; a relative trace stays far below either.
+        if self.expected == "ms" and 1e8 <= value < 1e11:
+            other = "Unix time in seconds"
+        elif self.expected == "s" and value >= 1e11:
+            other = "Unix time in milliseconds"
+        else:
+            return
+        self.reported = True
+        unit = "milliseconds" if self.expected == "ms" else "seconds"
+        warn(f"{name}:{lineno}: '{self.key}' {value:g} looks like {other}, but this format "
+             f"takes {unit} (later lines not reported)")
+
+
+# --- hash ids ------------------------------------------------------------------------------------
+
+
+class ChainedIds:
+    """Raw hash ids -> dense ids, one per distinct (parent, raw id): collisions are impossible
+    whatever the raw ids are, and the result is prefix-chained by construction. A chain starts
+    from a `root` (any hashable: a namespace such as a file, a model or an image set)."""
+
+    __slots__ = ("_ids", "_next")
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple, int] = {}
+        self._next = 0
+
+    def chain(self, raw: list, root: Any = None) -> list[int]:
+        ids = self._ids
+        out = []
+        parent: Any = ("root", root)
+        for h in raw:
+            key = (parent, h)
+            dense = ids.get(key)
+            if dense is None:
+                dense = ids[key] = self.fresh()
+            out.append(dense)
+            parent = dense
+        return out
+
+    def fresh(self) -> int:
+        dense = self._next
+        if dense > MAX_DENSE_ID:
+            raise BadField(f"more than {MAX_DENSE_ID + 1} distinct trace blocks")
+        self._next = dense + 1
+        return dense
+
+    @property
+    def distinct(self) -> int:
+        return self._next
+
+
+class Cover:
+    """The length convention of hash ids: `ceil` (one id per block, the partial last one
+    included: Mooncake, Bailian, ServeGen) or `floor` (full blocks only: kv-cache-tester).
+    `auto` takes the convention of the first line where the two differ and rejects a later
+    line that needs the other one."""
+
+    __slots__ = ("mode", "block", "decided", "decided_at", "both", "lines")
+
+    def __init__(self, mode: str, block: int) -> None:
+        self.mode = mode
+        self.block = block
+        self.decided: str | None = None if mode == "auto" else mode
+        self.decided_at: int | None = None
+        self.both = 0  # lines every convention reads the same (length a multiple of the block)
+        self.lines = 0
+
+    def check(self, n_ids: int, length: int, lineno: int) -> bool:
+        """True when the prompt has a partial tail with no id (floor): the caller adds one."""
+        b = self.block
+        ceil, floor = -(-length // b), length // b
+        self.lines += 1
+        if ceil == floor:
+            self.both += 1
+            if n_ids != ceil:
+                raise BadField(f"'hash_ids' has {n_ids} ids, but input_length {length} needs "
+                               f"{ceil} (blocks of {b} tokens)")
+            return False
+        fits = "ceil" if n_ids == ceil else "floor" if n_ids == floor else None
+        if self.decided is None and fits is not None:
+            self.decided = fits
+        if fits != self.decided:
+            need = ceil if self.decided == "ceil" else floor
+            text = (f"'hash_ids' has {n_ids} ids, but input_length {length} needs {need} "
+                    f"(blocks of {b} tokens)")
+            if self.decided == "floor":
+                text = text[:-1] + ", full blocks only: hash_ids_cover floor)"
+            if fits is not None and self.mode == "auto":
+                text += (f"; this line counts {fits} but line {self.decided_at} counted "
+                         f"{self.decided}: a trace must use one convention")
+            elif fits is not None:
+                text += f"; it fits requests.hash_ids_cover: {fits}"
+            raise BadField(text)
+        if self.decided_at is None:
+            self.decided_at = lineno
+        return fits == "floor"
+
+    def detected(self) -> str:
+        """What the lines showed: `ceil`, `floor`, or either when every length was a multiple
+        of the block size."""
+        if self.decided_at is not None:
+            return self.decided
+        return f"ceil or floor (every input_length a multiple of {self.block})"
+
+
+def ids_array(ids: list[int]) -> np.ndarray:
+    return np.array(ids, dtype=np.int64)
+
+
+def fresh_ids(table: ChainedIds, length: int, block: int) -> list[int]:
+    return [table.fresh() for _ in range(-(-length // block))]
+
+
+# --- sessions ------------------------------------------------------------------------------------
+
+
+def session_starts(durations: list[float], sessions_cfg, seed: int) -> list[float]:
+    """Start time of each session, in order: `back_to_back` (each when the previous one's last
+    request arrives), `stagger` (every `interval_s`), `poisson` (exponential gaps at `rate`
+    per second, seeded by run.seed)."""
+    start = sessions_cfg.start
+    n = len(durations)
+    if start == "back_to_back":
+        out, t = [], 0.0
+        for d in durations:
+            out.append(t)
+            t += d
+        return out
+    if start == "stagger":
+        return [i * sessions_cfg.interval_s for i in range(n)]
+    gaps = np.random.default_rng(seed).exponential(1.0 / sessions_cfg.rate, size=n)
+    gaps[:1] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+def single_request_arrivals(sessions_cfg, seed: int) -> Iterator[float]:
+    """Arrivals of requests that each stand alone (no times in the trace), as `session_starts`
+    for sessions of one request: `back_to_back` puts every one at 0, in file order."""
+    start = sessions_cfg.start
+    if start == "back_to_back":
+        while True:
+            yield 0.0
+    if start == "stagger":
+        i = 0
+        while True:
+            yield i * sessions_cfg.interval_s
+            i += 1
+    rng = np.random.default_rng(seed)
+    t = 0.0
+    yield t
+    while True:
+        for gap in rng.exponential(1.0 / sessions_cfg.rate, size=1024).tolist():
+            t += gap
+            yield t
+
+
+# --- readers -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStart:
+    """How sessions without absolute times start (`requests.sessions`)."""
+
+    start: str = "back_to_back"
+    interval_s: float | None = None
+    rate: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TraceOptions:
+    """The `requests` keys a reader needs; None = the format's own default."""
+
+    block_tokens: int | None = None
+    hash_ids_cover: str | None = None
+    sessions: Any = SessionStart()
+    output_length: int = 128
+    seed: int = 0
+    time_scale: float = 1.0
+    limit: int | None = None
+
+
+class TraceReader:
+    """One pass over a trace's requests in arrival order (ids from 0, `time_scale` applied,
+    stopping after `limit` without reading further). The file is opened when the reader is
+    made, so a missing file fails there; a bad record fails when iteration reaches it.
+
+    After (or during) iteration: `block_tokens` (tokens per hash id, the trace's native block
+    size; 1 for explicit tokens; None when the trace has no prefix information), `cover`
+    (the length convention check of hash-id formats) and `without_ids` (requests that carry
+    no prefix information)."""
+
+    format = ""
+    description = ""
+
+    def __init__(self, path: Path, opts: TraceOptions) -> None:
+        if not (opts.time_scale > 0 and math.isfinite(opts.time_scale)):
+            raise ValueError(f"time_scale must be a positive number, got {opts.time_scale}")
+        if opts.limit is not None and opts.limit < 0:
+            raise ValueError(f"limit must be >= 0, got {opts.limit}")
+        self.path = Path(path)
+        self.opts = opts
+        self.block_tokens: int | None = None
+        self.cover: Cover | None = None
+        self.without_ids = 0
+        self.requests = 0
+
+    def _requests(self) -> Iterator:
+        raise NotImplementedError
+
+    def convention(self) -> str:
+        if self.block_tokens is None:
+            return "none (lengths only)"
+        if self.block_tokens == 1:
+            return "exact tokens"
+        return self.cover.detected() if self.cover is not None else "ceil"
+
+    def __iter__(self) -> Iterator:
+        limit, scale = self.opts.limit, self.opts.time_scale
+        source = self._requests()
+        count = 0
+        while limit is None or count < limit:
+            try:
+                r = next(source)
+            except StopIteration:
+                return
+            except InputError as exc:
+                if count:
+                    raise
+                raise InputError(_with_hint(str(exc), self)) from None
+            r.id = count
+            if scale != 1.0:
+                r.arrival_s *= scale
+            count += 1
+            self.requests = count
+            yield r
+
+
+def _with_hint(message: str, reader: TraceReader) -> str:
+    """A first record this format cannot read: say which format the file looks like."""
+    from kvbench.traffic.formats import sniff
+
+    try:
+        fmt, why = sniff(reader.path)
+    except InputError:
+        return message
+    if fmt == reader.format:
+        return message
+    return f"{message}; the file looks like {why}: set requests.format: {fmt}"
+
+
+def chained_hash_ids(obj: dict, table: ChainedIds, cover: Cover, input_length: int,
+                     lineno: int, root: Any = None) -> np.ndarray:
+    """The record's `hash_ids`, checked against the length convention and remapped along
+    their chain from `root`; a floor-convention tail gets a fresh id."""
+    raw = need_list(obj, "hash_ids", "integers or strings")
+    for h in raw:
+        check_hash_id("hash_ids", h)
+    tail = cover.check(len(raw), input_length, lineno)
+    dense = table.chain(raw, root)
+    if tail:
+        dense.append(table.fresh())
+    return ids_array(dense)

@@ -266,7 +266,7 @@ def trace_stats_cmd(
     native = stats["native_block_tokens"]
     table.add_row("format", stats["format"])
     table.add_row("native block size", "none (no prefix information)" if native is None
-                  else "exact tokens" if native == 1 else f"{native} tokens per hash id")
+                  else "exact tokens" if native == 1 else f"{native} tokens/id")
     table.add_row("length convention", stats["convention"])
     if stats["requests_without_prefix_info"]:
         table.add_row("requests without prefix information",
@@ -282,9 +282,11 @@ def trace_stats_cmd(
     for bs, rate in stats["ideal_hit_rate"].items():
         value = f"{100 * rate:.2f}%"
         if not stats["ideal_resolvable"][bs]:
-            value = ("n/a (no prefix information)" if native is None
-                     else f">= {value} (below native {native}: not resolvable)")
+            value = "n/a" if native is None else f">= {value} (not resolvable)"
         table.add_row(f"ideal hit rate @ {bs} tokens/block", value)
+    if native is not None and not all(stats["ideal_resolvable"].values()):
+        table.caption = (f"not resolvable: below the trace's {native}-token ids, where two "
+                         "prompts diverge inside a block is unknown; the value is a lower bound")
     out.print(table)
 
 

@@ -63,6 +63,13 @@ def run(
     per_workload = []
     for wl in loaded:
         show = not quiet and wl.run.progress
+        if not quiet:
+            from .config import resolve_path
+            from .traffic import describe_source
+
+            header = describe_source(wl.requests, resolve_path(wl, "."))
+            if header is not None:
+                err.print(header, highlight=False, markup=False, soft_wrap=True)
         with _progress(show) as factory:
             outcomes = [o for _ in range(repeat) for o in run_workload(wl, factory)]
         per_workload.append(outcomes)

@@ -16,7 +16,7 @@ from kvbench.traffic.synthetic import generate
 from kvbench.traffic.tracefile import SessionStart, TraceOptions, TraceReader, TraceWarning
 
 __all__ = ["FORMATS", "Request", "TraceOptions", "TraceReader", "TraceWarning", "generate",
-           "load_requests", "open_trace", "read_mooncake", "sniff", "trace_options",
+           "describe_source", "load_requests", "open_trace", "read_mooncake", "sniff", "trace_options",
            "trace_stats"]
 
 DEFAULT_STATS_BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
@@ -53,6 +53,26 @@ def load_traffic(requests_cfg, *, base_dir: Path, seed: int
 def trace_path(requests_cfg, base_dir: Path) -> Path:
     path = Path(requests_cfg.path).expanduser()
     return path if path.is_absolute() else base_dir / path
+
+
+def describe_source(requests_cfg, base_dir: Path) -> str | None:
+    """One line for a run's header: the trace, its format and, where the trace has no absolute
+    times for them, how sessions start (it moves hit rates a lot on conversation traces)."""
+    if requests_cfg.source != "trace":
+        return None
+    path = trace_path(requests_cfg, base_dir)
+    fmt = requests_cfg.format
+    try:
+        shown = f"{sniff(path)[0]} (auto)" if fmt == "auto" else fmt
+    except InputError:
+        shown = fmt
+    text = f"requests: {shown} trace {path}"
+    if shown.split()[0] in ("weka", "servegen"):
+        s = requests_cfg.sessions
+        how = {"back_to_back": "back_to_back", "stagger": f"stagger every {s.interval_s} s",
+               "poisson": f"poisson at {s.rate}/s"}[s.start]
+        text += f"; sessions start {how} (requests.sessions)"
+    return text
 
 
 def trace_options(requests_cfg, seed: int) -> TraceOptions:

@@ -9,21 +9,16 @@ remapped along their chain (`tracefile.ChainedIds`), so any id type works and no
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 from kvbench.traffic.mooncake import MAX_INPUT_LENGTH
 from kvbench.traffic.request import Request
 from kvbench.traffic.tracefile import (
-    MAX_BLOCK_TOKENS,
     BadField,
     ChainedIds,
-    Cover,
-    TraceOptions,
-    TraceReader,
+    HashIdReader,
     UnitCheck,
     chained_hash_ids,
     fail,
-    jsonl_records,
     need,
     need_int,
     need_number,
@@ -35,17 +30,11 @@ _FIELDS = ("chat_id", "parent_chat_id", "timestamp", "input_length", "output_len
            "turn", "hash_ids")
 
 
-class BailianReader(TraceReader):
+class BailianReader(HashIdReader):
     format = "bailian"
     description = "a Bailian trace (`chat_id`, `parent_chat_id`, `turn`)"
 
-    def __init__(self, path: Path, opts: TraceOptions) -> None:
-        super().__init__(path, opts)
-        self.block_tokens = opts.block_tokens or BAILIAN_BLOCK_TOKENS
-        if not 0 < self.block_tokens <= MAX_BLOCK_TOKENS:
-            raise ValueError(f"block_tokens must be in [1, {MAX_BLOCK_TOKENS}]")
-        self.cover = Cover(opts.hash_ids_cover or "ceil", self.block_tokens)
-        self._records = jsonl_records(self.path)
+    default_block_tokens = BAILIAN_BLOCK_TOKENS
 
     def _requests(self) -> Iterator[Request]:
         name = str(self.path)

@@ -24,17 +24,15 @@ import numpy as np
 
 from kvbench.traffic.request import _END_BITS, Request
 from kvbench.traffic.tracefile import (
-    MAX_BLOCK_TOKENS,
-    MAX_DENSE_ID,
     BadField,
+    ChainedIds,
     Cover,
+    HashIdReader,
     TraceOptions,
-    TraceReader,
     UnitCheck,
     check_int,
     check_number,
     fail,
-    jsonl_records,
     need,
     session_starts,
     show,
@@ -54,17 +52,11 @@ def read_mooncake(
     return iter(MooncakeReader(path, TraceOptions(time_scale=time_scale, limit=limit)))
 
 
-class MooncakeReader(TraceReader):
+class MooncakeReader(HashIdReader):
     format = "mooncake"
     description = "a Mooncake trace (`timestamp`, `input_length`, `hash_ids`)"
 
-    def __init__(self, path: Path, opts: TraceOptions) -> None:
-        super().__init__(path, opts)
-        self.block_tokens = opts.block_tokens or TRACE_BLOCK_TOKENS
-        if not 0 < self.block_tokens <= MAX_BLOCK_TOKENS:
-            raise ValueError(f"block_tokens must be in [1, {MAX_BLOCK_TOKENS}]")
-        self.cover = Cover(opts.hash_ids_cover or "ceil", self.block_tokens)
-        self._records = jsonl_records(self.path)
+    default_block_tokens = TRACE_BLOCK_TOKENS
 
     def _requests(self) -> Iterator[Request]:
         name = str(self.path)
@@ -150,21 +142,14 @@ def _times_and_lengths(obj: dict, timed: bool, prev_ts: float) -> tuple[float, i
 class _Ids:
     """Raw ids -> the ids requests carry (see the module docstring), with the chain check."""
 
-    __slots__ = ("parent_of", "remap", "next")
+    __slots__ = ("parent_of", "remap", "fresh")
 
     def __init__(self) -> None:
         # The cache identifies a trace prefix by (id, end), which is only sound if an id always
         # follows the same parent (None = first block).
         self.parent_of: dict[int, int | None] = {}
         self.remap: dict = {}
-        self.next = IDENTITY_IDS
-
-    def fresh(self) -> int:
-        dense = self.next
-        if dense > MAX_DENSE_ID:
-            raise BadField(f"more than {MAX_DENSE_ID - IDENTITY_IDS + 1} remapped trace blocks")
-        self.next = dense + 1
-        return dense
+        self.fresh = ChainedIds(start=IDENTITY_IDS).fresh
 
     def fresh_blocks(self, length: int, block: int) -> list[int]:
         return [self.fresh() for _ in range(-(-length // block))]

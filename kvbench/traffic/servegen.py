@@ -13,21 +13,16 @@ images (or none) share their common text prefix.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 from kvbench.traffic.mooncake import MAX_INPUT_LENGTH
 from kvbench.traffic.request import Request
 from kvbench.traffic.tracefile import (
-    MAX_BLOCK_TOKENS,
     BadField,
     ChainedIds,
-    Cover,
-    TraceOptions,
-    TraceReader,
+    HashIdReader,
     chained_hash_ids,
     check_hash_id,
     fail,
-    jsonl_records,
     need,
     need_int,
     need_str,
@@ -38,17 +33,11 @@ from kvbench.traffic.tracefile import (
 SERVEGEN_BLOCK_TOKENS = 16
 
 
-class ServeGenReader(TraceReader):
+class ServeGenReader(HashIdReader):
     format = "servegen"
     description = "a ServeGen trace (`request_id`, `img_ids`, no timestamp)"
 
-    def __init__(self, path: Path, opts: TraceOptions) -> None:
-        super().__init__(path, opts)
-        self.block_tokens = opts.block_tokens or SERVEGEN_BLOCK_TOKENS
-        if not 0 < self.block_tokens <= MAX_BLOCK_TOKENS:
-            raise ValueError(f"block_tokens must be in [1, {MAX_BLOCK_TOKENS}]")
-        self.cover = Cover(opts.hash_ids_cover or "ceil", self.block_tokens)
-        self._records = jsonl_records(self.path)
+    default_block_tokens = SERVEGEN_BLOCK_TOKENS
 
     def _requests(self) -> Iterator[Request]:
         name = str(self.path)

@@ -238,11 +238,11 @@ class ChainedIds:
     whatever the raw ids are, and the result is prefix-chained by construction. A chain starts
     from a `root` (any hashable: a namespace such as a file, a model or an image set)."""
 
-    __slots__ = ("_ids", "_next")
+    __slots__ = ("_ids", "_next", "_start")
 
-    def __init__(self) -> None:
+    def __init__(self, start: int = 0) -> None:
         self._ids: dict[tuple, int] = {}
-        self._next = 0
+        self._next = self._start = start
 
     def chain(self, raw: list, root: Any = None) -> list[int]:
         ids = self._ids
@@ -260,13 +260,10 @@ class ChainedIds:
     def fresh(self) -> int:
         dense = self._next
         if dense > MAX_DENSE_ID:
-            raise BadField(f"more than {MAX_DENSE_ID + 1} distinct trace blocks")
+            raise BadField(f"more than {MAX_DENSE_ID + 1 - self._start} distinct trace blocks")
         self._next = dense + 1
         return dense
 
-    @property
-    def distinct(self) -> int:
-        return self._next
 
 
 class Cover:
@@ -325,10 +322,6 @@ class Cover:
 
 def ids_array(ids: list[int]) -> np.ndarray:
     return np.array(ids, dtype=np.int64)
-
-
-def fresh_ids(table: ChainedIds, length: int, block: int) -> list[int]:
-    return [table.fresh() for _ in range(-(-length // block))]
 
 
 # --- sessions ------------------------------------------------------------------------------------
@@ -453,6 +446,22 @@ class TraceReader:
             count += 1
             self.requests = count
             yield r
+
+
+class HashIdReader(TraceReader):
+    """A JSONL trace of hash ids: the block size and length convention come from the options,
+    else from the format (`default_block_tokens`, `default_cover`)."""
+
+    default_block_tokens = 0
+    default_cover = "ceil"
+
+    def __init__(self, path: Path, opts: TraceOptions) -> None:
+        super().__init__(path, opts)
+        self.block_tokens = opts.block_tokens or self.default_block_tokens
+        if not 0 < self.block_tokens <= MAX_BLOCK_TOKENS:
+            raise ValueError(f"block_tokens must be in [1, {MAX_BLOCK_TOKENS}]")
+        self.cover = Cover(opts.hash_ids_cover or self.default_cover, self.block_tokens)
+        self._records = jsonl_records(self.path)
 
 
 def _with_hint(message: str, reader: TraceReader) -> str:

@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .errors import InputError, RegressionFound
+from .errors import InputError, RegressionFound, TraceWarning
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -348,8 +348,6 @@ class _progress:
 
 
 def _show_trace_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    from .traffic import TraceWarning
-
     if issubclass(category, TraceWarning):
         err.print(f"kvbench: warning: {message}", highlight=False, markup=False, soft_wrap=True)
     else:
@@ -361,8 +359,6 @@ _default_showwarning = warnings.showwarning
 
 def main() -> None:
     """Entry point: exit 0 ok, 1 runtime failure, 2 bad input, 3 regression found."""
-    from .traffic import TraceWarning
-
     warnings.simplefilter("always", TraceWarning)
     warnings.showwarning = _show_trace_warning
     try:

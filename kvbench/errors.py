@@ -7,3 +7,8 @@ class InputError(Exception):
 
 class RegressionFound(Exception):
     """`kvbench compare` found a regression: exit code 3."""
+
+
+class TraceWarning(UserWarning):
+    """Something in a trace that is probably a mistake but still readable (a unit, no prefix
+    information); the CLI prints it as one `kvbench: warning:` line."""

@@ -13,7 +13,8 @@ from kvbench.traffic.formats import FORMATS, open_trace, sniff
 from kvbench.traffic.mooncake import read_mooncake
 from kvbench.traffic.request import Request
 from kvbench.traffic.synthetic import generate
-from kvbench.traffic.tracefile import SessionStart, TraceOptions, TraceReader, TraceWarning
+from kvbench.errors import TraceWarning
+from kvbench.traffic.tracefile import SessionStart, TraceOptions, TraceReader
 
 __all__ = ["FORMATS", "Request", "TraceOptions", "TraceReader", "TraceWarning", "generate",
            "describe_source", "load_requests", "open_trace", "read_mooncake", "sniff", "trace_options",

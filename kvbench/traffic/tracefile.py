@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbench.errors import InputError
+from kvbench.errors import InputError, TraceWarning
 
 # Request packs (hash id, prefix end) into one int64 key (`request._END_BITS`); ids stay below.
 MAX_DENSE_ID = (1 << 39) - 1
@@ -33,11 +33,6 @@ MAX_BLOCK_TOKENS = 1 << 20
 # Prefix-less prompts (lengths-only traces, AIPerf lines without ids) get fresh ids of this many
 # tokens: one block size per trace keeps `Request.tokens_at` injective.
 UNKNOWN_BLOCK_TOKENS = 512
-
-
-class TraceWarning(UserWarning):
-    """Something in a trace that is probably a mistake but still readable (a unit, no prefix
-    information); the CLI prints it as one `kvbench: warning:` line."""
 
 
 class BadField(Exception):

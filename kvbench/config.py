@@ -210,6 +210,13 @@ class CacheConfig(_Section):
         " (TensorRT-LLM); layers = by layers only. No pool gets less than the largest request"
         " needs.",
     )
+    cross_kv_cache_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Share of max_tokens for the cross-attention KV of encoder-decoder"
+        " requests (TensorRT-LLM's name); the self-attention cache gets the rest.",
+    )
 
     @field_validator("max_tokens")
     @classmethod
@@ -338,6 +345,22 @@ def _needed_by(value, info: ValidationInfo, start: str, key: str):
     return value
 
 
+class EncoderConfig(_Section):
+    """Encoder inputs of encoder-decoder requests (e.g. audio frames of a Whisper-style model):
+    their cross-attention KV goes to a cache of its own (`cache.cross_kv_cache_fraction`)."""
+
+    tokens: int = Field(0, ge=0, description="Mean encoder tokens per input; 0 = no encoder.")
+    tokens_spread: float = Field(
+        0.0, ge=0, le=1, description="Uniform +-spread of tokens, as a fraction of the mean."
+    )
+    distinct_inputs: int = Field(
+        16, gt=0, description="Distinct encoder inputs; requests pick one uniformly (seeded)."
+    )
+    fraction: float = Field(
+        1.0, ge=0, le=1, description="Share of requests that carry an encoder input."
+    )
+
+
 class RequestsConfig(_Section):
     """Where requests come from."""
 
@@ -378,6 +401,10 @@ class RequestsConfig(_Section):
     )
     beam_width: int = Field(
         1, ge=1, le=64, description="Beams per request (beam search), unless beam_widths is set."
+    )
+    encoder: EncoderConfig = Field(
+        default_factory=EncoderConfig,
+        description="Encoder inputs (encoder-decoder requests); off unless encoder.tokens > 0.",
     )
     beam_widths: list[Annotated[int, Field(ge=1, le=64)]] | None = Field(
         None,

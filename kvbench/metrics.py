@@ -129,7 +129,7 @@ class Metric:
     """What else a run needs to produce it (in one of its modes at least): windows (a
     sliding-window layer), data_plane (`run.backend` other than none), cuda (a data plane on
     a CUDA device), speculative (speculative decoding), draft (a draft model),
-    draft_data_plane (both)."""
+    draft_data_plane (both), encoder (requests with encoder inputs)."""
     nullable: bool = False
     """May be null (not applicable to this run)."""
     pinned: bool = False
@@ -176,6 +176,22 @@ _m("draft_reused_full_blocks", "count", "blocks", "draft cache: full blocks reus
 _m("draft_reused_partial_blocks", "count", "blocks", "draft cache: partial blocks reused",
    "Reuse", _c, EITHER, SERVE, needs="draft",
    description="Partially matched blocks the draft model's cache reused.")
+_m("cross_requests", "count", "requests", "cross cache: requests with encoder input", "Reuse",
+   _c, MATCH, needs="encoder",
+   description="Requests carrying an encoder input (an input), counted once each.")
+_m("encoder_tokens", "count", "tokens", "cross cache: encoder tokens", "Reuse", _c, MATCH,
+   needs="encoder", description="Encoder tokens of those requests (an input).")
+_m("cross_reused_tokens", "count", "tokens", "cross cache: reused tokens", "Reuse", _c, HIGHER,
+   needs="encoder",
+   description="Encoder tokens whose cross-attention KV an identical earlier input left.")
+_m("cross_hit_rate", "number", "fraction", "cross cache: hit rate", "Reuse", _f,
+   Rule("higher", abs_tol=RATE_EPS), needs="encoder", nullable=True,
+   description="cross_reused_tokens / encoder_tokens (null: no encoder tokens).")
+_m("cross_reused_full_blocks", "count", "blocks", "cross cache: full blocks reused", "Reuse",
+   _c, EITHER, needs="encoder", description="Full cross-attention blocks reused.")
+_m("cross_reused_partial_blocks", "count", "blocks", "cross cache: partial blocks reused",
+   "Reuse", _c, EITHER, needs="encoder",
+   description="Unfilled last cross-attention blocks reused.")
 _m("hit_rate", "number", "fraction", "hit rate", "Reuse", _f, Rule("higher", abs_tol=RATE_EPS),
    pinned=True, description="reused_tokens / prompt_tokens.")
 _m("optimal_hit_rate", "number", "fraction", "optimal hit rate (same capacity)", "Reuse", _f,
@@ -203,6 +219,13 @@ _m("draft_peak_gpu_bytes", "count", "bytes", "draft cache: GPU bytes peak", "Mem
 _m("peak_kv_bytes", "count", "bytes", "all KV caches: GPU bytes peak", "Memory", _b, LOWER,
    SERVE, needs="draft",
    description="Most GPU bytes all KV caches (target and draft) held at once.")
+_m("cross_gpu_blocks_total", "count", "blocks", "cross cache: GPU blocks total", "Memory", _c,
+   MATCH, needs="encoder",
+   description="Cross-attention blocks (cache.cross_kv_cache_fraction of the budget).")
+_m("cross_peak_gpu_blocks", "count", "blocks", "cross cache: GPU blocks peak", "Memory", _c,
+   LOWER, needs="encoder", description="Most cross-attention blocks held at once.")
+_m("cross_peak_gpu_bytes", "count", "bytes", "cross cache: GPU bytes peak", "Memory", _b,
+   LOWER, needs="encoder", description="cross_peak_gpu_blocks x the block size.")
 _m("host_blocks_total", "count", "blocks", "host blocks total", "Memory", _c, MATCH, pinned=True,
    description="Host-tier blocks (host_offload_ratio x GPU blocks).")
 _m("peak_host_blocks", "count", "blocks", "host blocks peak", "Memory", _c, EITHER, pinned=True,

@@ -46,7 +46,7 @@ def cache_spec(workload: Workload, *, emit_copy_ops: bool = False) -> CacheSpec:
     target block and its mirrored draft block per block (TensorRT-LLM sizes both caches with
     the per-token size of both models)."""
     c = workload.cache
-    gpu_blocks = c.max_tokens // c.tokens_per_block
+    gpu_blocks = c.max_tokens // c.tokens_per_block - _cross_blocks(workload)
     if workload.speculative.draft_model is not None:
         budget = gpu_blocks * block_bytes(workload)
         gpu_blocks = budget // (block_bytes(workload) + draft_block_bytes(workload))
@@ -60,6 +60,34 @@ def cache_spec(workload: Workload, *, emit_copy_ops: bool = False) -> CacheSpec:
         copy_on_partial_reuse=c.copy_on_partial_reuse,
         emit_copy_ops=emit_copy_ops,
     )
+
+
+def _cross_blocks(workload: Workload) -> int:
+    """Blocks of the budget the cross-attention cache takes (`cache.cross_kv_cache_fraction`;
+    a cross block holds the same layers and heads as a self-attention one)."""
+    c = workload.cache
+    return int(c.cross_kv_cache_fraction * (c.max_tokens // c.tokens_per_block))
+
+
+def cross_manager(wl: Workload, requests: list[Request]) -> KVCacheManager | None:
+    """The cross-attention cache for requests' encoder inputs (None when none has one):
+    shared by a sequence's beams, never grown, no host tier."""
+    longest = max((r.encoder.input_length for r in requests if r.encoder is not None),
+                  default=0)
+    if not longest:
+        return None
+    c = wl.cache
+    tpb, blocks = c.tokens_per_block, _cross_blocks(wl)
+    need = -(-longest // tpb)
+    if need > blocks:
+        raise InputError(
+            f"{_where(wl)}: cache.cross_kv_cache_fraction: an encoder input of {longest} tokens "
+            f"needs {need} cross-attention blocks but the fraction "
+            f"({c.cross_kv_cache_fraction}) of cache.max_tokens gives {blocks}")
+    return KVCacheManager(CacheSpec(
+        tokens_per_block=tpb, num_gpu_blocks=blocks, enable_block_reuse=c.enable_block_reuse,
+        enable_partial_reuse=c.enable_partial_reuse,
+        copy_on_partial_reuse=c.copy_on_partial_reuse, cross_kv=True))
 
 
 def run_workload(workload: Workload, progress: ProgressFactory | None = None) -> list[RunOutcome]:
@@ -115,6 +143,11 @@ def _check_supported(wl: Workload) -> None:
             unsupported.append("speculative decoding with sliding-window layers")
         if wl.requests.beam_width > 1 or any(w > 1 for w in wl.requests.beam_widths or ()):
             unsupported.append("speculative decoding with beam search (as TensorRT-LLM)")
+    if wl.requests.encoder.tokens:
+        if _windowed(wl):
+            unsupported.append("encoder inputs with sliding-window layers")
+        if sp.enabled:
+            unsupported.append("encoder inputs with speculative decoding")
     if unsupported:
         raise InputError(
             f"{_where(wl)}: not supported by this kvbench build: {', '.join(unsupported)}")
@@ -229,11 +262,12 @@ def _run_one(
         _check_fits(wl, requests, spec.num_gpu_blocks)
     else:
         spec = windowed.managers[0].spec
+    cross = cross_manager(wl, requests)
     plane = _open_data_plane(wl, spec, windowed)
     t0 = time.perf_counter()
     manager = KVCacheManager(spec) if windowed is None else windowed
     advance = progress(name, len(requests)) if progress is not None else None
-    result = replay_cache_mode(requests, manager, advance, data_plane=plane)
+    result = replay_cache_mode(requests, manager, advance, data_plane=plane, cross=cross)
     # With a host tier the optimum may keep blocks in either tier: one pool of both sizes.
     # With windows it is null: the offline optimum is for one pool; the ideal is that of an
     # unlimited cache that keeps every block (no scratch, nothing dropped).
@@ -255,6 +289,8 @@ def _run_one(
         "verified": None,
         "max_abs_err": None,
     }
+    if cross is not None:
+        metrics.update(result.cross.metrics(cross, block_bytes(wl)))
     if plane is not None:
         metrics.update(plane.metrics())
     return _outcome(name, wl, metrics, result.timeline.to_json())
@@ -321,6 +357,7 @@ def _run_serve(
         spec = windowed.managers[0].spec
     _check_serve_fits(wl, requests, spec.num_gpu_blocks if windowed is None
                       else windowed.gpu_blocks_total)
+    cross = cross_manager(wl, requests)
     plane = _open_data_plane(wl, spec, windowed)
     sp = wl.speculative
     hardware = hardware_from_config(wl.hardware)
@@ -344,7 +381,7 @@ def _run_serve(
         revert_deferred_ctx=sched.revert_deferred_ctx, batch_add=wl.cache.add_sequence == "batch",
         block_bytes=block_bytes(wl) if windowed is None  # pools' mean slot with windows
         else windowed.gpu_bytes_total // windowed.gpu_blocks_total,
-        data_plane=plane, speculation=speculation, draft_plane=draft_plane,
+        data_plane=plane, speculation=speculation, draft_plane=draft_plane, cross=cross,
         on_progress=advance)
     ideal = _serve_ideal_hit_rate(requests, spec)
     wall = time.perf_counter() - t0
@@ -381,6 +418,8 @@ def _run_serve(
     }
     if speculation is not None:
         metrics.update(speculation.metrics())
+    if cross is not None:
+        metrics.update(result.cross.metrics(cross, block_bytes(wl)))
     if sp.draft_model is not None:
         metrics.update(_draft_metrics(wl, manager.draft, states))
     if plane is not None:

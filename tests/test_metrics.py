@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CI = sorted((ROOT / "workloads" / "ci").glob("*.yaml"))
 FEATURES = [  # shipped feature workloads outside CI, shrunk
     (ROOT / "workloads" / "speculative-decoding.yaml", ("requests.synthetic.num_requests=24",)),
+    (ROOT / "workloads" / "encoder-decoder.yaml", ("requests.synthetic.num_requests=24",)),
 ]
 DATA_PLANE = [  # shipped data-plane workloads, shrunk to a few requests
     (ROOT / "workloads" / "verify-small.yaml", ("requests.synthetic.num_requests=8",)),

@@ -193,8 +193,8 @@ class KVCacheManager:
         """The stored blocks (GPU or host) a new sequence of `request` would reuse now,
         without claiming: full blocks, then at most one usable partially matching block with
         its token count. Reuse stops one token short of the prompt, whose last token is
-        always computed."""
-        return self.match_capped(request, request.input_length - 1)
+        always computed (cross-attention KV excepted: it is all reused or written)."""
+        return self.match_capped(request, request.input_length)
 
     def estimate_reuse(self, request: Request) -> int:
         """Tokens a sequence added now would reuse (what a scheduler budgets with), assuming
@@ -250,6 +250,10 @@ class KVCacheManager:
         seq.num_computed = max(seq.num_computed, num_computed)
         if not self.spec.enable_block_reuse:
             return
+        if self.spec.cross_kv and seq.num_computed == seq.request.input_length:
+            # Written once and never grown: the unfilled last block is final, so other
+            # sequences may share it at once.
+            self._store_tail(seq)
         keys = seq.keys
         end = min(seq.num_computed // self.tpb, len(keys))
         begin = seq.num_stored
@@ -292,7 +296,7 @@ class KVCacheManager:
         if partial is not None:
             reused += partial[1]
             blocks += 1
-            draw += 1
+            draw += not (self._complete_tail(*partial) and ref[partial[0]])
         return reused, blocks, draw
 
     def shrink(self, seq: Sequence, num_tokens: int) -> int:
@@ -326,7 +330,7 @@ class KVCacheManager:
         if not self.spec.enable_block_reuse:
             return [], None
         tpb = self.tpb
-        max_tokens = min(max_tokens, request.input_length - 1)
+        max_tokens = min(max_tokens, request.input_length - (not self.spec.cross_kv))
         if request.beam_width > 1:
             # Only the shared context is matched; an unshared last block is every beam's own.
             max_tokens = min(max_tokens, self._shared_blocks(request) * tpb)
@@ -339,7 +343,8 @@ class KVCacheManager:
             parent = keys[pos - 1] if full else request.root_key
             partial = self.index.best_partial(
                 parent, request, pos, min(tpb, max_tokens - pos * tpb), self._claimable)
-            if partial is not None and not self._partial_usable(partial[0]):
+            if partial is not None and not (self._complete_tail(*partial)
+                                            or self._partial_usable(partial[0])):
                 partial = None
         return full, partial
 
@@ -512,11 +517,18 @@ class KVCacheManager:
         shared = self.ref_count[b] > 0 or self.index.has_children(b) or b >= self.gpu.capacity
         return not shared or self.spec.copy_on_partial_reuse
 
+    def _complete_tail(self, b: BlockId, n: int) -> bool:
+        """Cross-attention KV whose stored unfilled last block matches in full: it is final
+        (never grown), so it is shared as it is, like a full block."""
+        return self.spec.cross_kv and b < self.gpu.capacity and n == self.index.num_tokens(b)
+
     def _reuse_partial(self, seq: Sequence, b: BlockId, n: int) -> int:
-        """Settle a claimed partial match: take the block itself when nobody else can need it
-        (only this claim, no children, on the GPU), else copy its first `n` tokens into a fresh
-        block. Returns the tokens reused."""
-        if self.ref_count[b] == 1 and b < self.gpu.capacity and not self.index.has_children(b):
+        """Settle a claimed partial match: share a complete cross-attention tail; take the
+        block itself when nobody else can need it (only this claim, no children, on the GPU),
+        else copy its first `n` tokens into a fresh block. Returns the tokens reused."""
+        if self._complete_tail(b, n):
+            seq.blocks.append(b)  # keeps the claim and its place in the index
+        elif self.ref_count[b] == 1 and b < self.gpu.capacity and not self.index.has_children(b):
             self.index.remove(b)  # its tokens past `n` will be overwritten
             seq.blocks.append(b)
         else:

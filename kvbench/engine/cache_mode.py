@@ -9,6 +9,7 @@ from ..cache.manager import KVCacheManager, Sequence as CacheSequence
 from ..cache.windows import WindowedCacheManager, WindowedSequence
 from ..kernels.step import StepItem
 from ..traffic.request import Request
+from .cross import CrossTally
 from .timeline import Timeline
 
 
@@ -21,12 +22,13 @@ class CacheModeResult:
     reused_partial_tokens: int
     reused_partial_blocks: int
     timeline: Timeline
+    cross: CrossTally
 
 
 def replay_cache_mode(
     requests: Sequence[Request], manager: KVCacheManager | WindowedCacheManager,
     on_progress: Callable[[int], None] | None = None, progress_every: int = 256,
-    data_plane=None,
+    data_plane=None, cross: KVCacheManager | None = None,
 ) -> CacheModeResult:
     """For each request: match and claim the cached prefix, allocate the rest of the prompt,
     mark it computed, release. Raises ValueError if a request cannot get its blocks (the caller
@@ -37,7 +39,10 @@ def replay_cache_mode(
     A `WindowedCacheManager` (sliding-window layers) runs the same loop: its `resize` begins
     the request's one prefill step over every pool (out-of-window prompt blocks go to scratch
     slots when that is on), its `commit` ends it, and `gpu` sums the pools for the timeline;
-    so `in_use` is read before the commit, while the step's scratch slots are held."""
+    so `in_use` is read before the commit, while the step's scratch slots are held.
+
+    With a `cross` cache (`engine/cross.py`) a request's encoder input is added, written and
+    released there beside its prompt."""
     timeline = Timeline("request", ("reused_tokens", "prompt_tokens", "in_use", "cached", "free"),
                         sums=("reused_tokens", "prompt_tokens"))
     cols = timeline.columns
@@ -49,10 +54,19 @@ def replay_cache_mode(
         plane_step = (_windowed_data_plane_step if isinstance(manager, WindowedCacheManager)
                       else _data_plane_step)
     prompt = reused = host = full = partial = partial_blocks = 0
+    tally = CrossTally()
     for i, r in enumerate(requests):
         seq = manager.add_sequence(r)
         if not manager.resize(seq, r.input_length):
             raise ValueError(f"request {r.id} does not fit in the cache")
+        enc = r.encoder if cross is not None else None
+        if enc is not None:
+            cseq = cross.add_sequence(enc)
+            if not cross.resize(cseq, enc.input_length):
+                raise ValueError(f"request {r.id}: its encoder input does not fit the cross cache")
+            cross.commit(cseq, enc.input_length)
+            cross.release(cseq)
+            tally.count(cseq)
         if plane_step is not None:
             plane_step(data_plane, manager, r, seq)
         in_use = pool.num_in_use
@@ -73,7 +87,7 @@ def replay_cache_mode(
             on_progress(progress_every)
     if on_progress is not None:
         on_progress(len(requests) % progress_every)
-    return CacheModeResult(prompt, reused, host, full, partial, partial_blocks, timeline)
+    return CacheModeResult(prompt, reused, host, full, partial, partial_blocks, timeline, tally)
 
 
 def _data_plane_step(data_plane, manager: KVCacheManager, r: Request, seq: CacheSequence) -> None:

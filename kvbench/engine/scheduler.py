@@ -54,7 +54,7 @@ class ServeRequest:
         "request", "idx", "phase", "view", "seq", "context_len", "generated", "pre_tokens",
         "reused_tokens", "reused_tokens_host", "reused_partial_tokens", "reused_full_blocks",
         "first_token_s", "finish_s", "d_step0", "d_pos0", "d_gen0", "finish_step",
-        "version", "drafts", "draft_reuse",
+        "version", "drafts", "draft_reuse", "cross_seq",
     )
 
     def __init__(self, request: Request, idx: int) -> None:
@@ -88,6 +88,8 @@ class ServeRequest:
         """Draft tokens it verifies in the current decode step (speculative decoding)."""
         self.draft_reuse = (0, 0)
         """(full blocks, partial blocks) the draft model's cache reused, with `reused`."""
+        self.cross_seq: Sequence | None = None
+        """Its encoder input's hold on the cross-attention cache (encoder-decoder)."""
 
 
 class ContextWork:
@@ -135,15 +137,18 @@ class Scheduler:
     def plan_context(
         self, prefilling: list[ServeRequest], waiting: list[tuple[int, ServeRequest]],
         num_gen: int, num_active: int, cache: KVCacheManager, gen_tokens: int | None = None,
+        cross: KVCacheManager | None = None,
     ) -> list[ContextWork]:
         """The step's context chunks after `num_gen` generation requests computing
         `gen_tokens` tokens (one per beam; default `num_gen`). Admitted requests are popped
         from `waiting` (a heap by arrival order); `num_active` counts requests holding a
         sequence, which may not exceed `max_batch_size`. A chunk's blocks are counted for
-        every beam (`grow_blocks`)."""
+        every beam (`grow_blocks`); a new request's encoder input, against the `cross`
+        cache's free blocks."""
         budget = self.max_num_tokens - (num_gen if gen_tokens is None else gen_tokens)
         slots = self.max_batch_size - num_gen
         free = cache.gpu.num_free
+        cross_free = cross.gpu.num_free if cross is not None else 0
         plan: list[ContextWork] = []
         for r in prefilling:
             if slots <= 0 or budget <= 0:
@@ -170,6 +175,13 @@ class Scheduler:
             need = draw + cache.grow_blocks(r.view, blocks, reused + chunk + self.reserve_tokens)
             if need > free:
                 break
+            enc = r.request.encoder if cross is not None else None
+            if enc is not None:
+                _, enc_blocks, enc_draw = cross.estimate_add(enc)
+                enc_need = enc_draw + cross.grow_blocks(enc, enc_blocks, enc.input_length)
+                if enc_need > cross_free:
+                    break
+                cross_free -= enc_need
             heappop(waiting)
             free -= need
             budget -= chunk

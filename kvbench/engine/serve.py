@@ -41,6 +41,7 @@ from ..cache.windows import WindowedCacheManager
 from ..kernels.step import StepItem, beam_tokens
 from ..traffic.request import Request
 from .clock import StepClock
+from .cross import CrossTally
 from .scheduler import ContextWork, Phase, Scheduler, ServeRequest
 from .speculative import Speculation
 from .timeline import Timeline
@@ -118,6 +119,8 @@ class ServeResult:
     """New context requests that could not get their chunk's blocks after the add (their reuse
     fell short of the estimate) and waited for a later step."""
     timeline: Timeline
+    cross: CrossTally
+    """Encoder inputs and their cross-attention cache reuse (empty without a cross cache)."""
 
 
 SERVE_COUNTERS = ("computed_tokens", "preemptions", "mnt_overflow_steps",
@@ -144,7 +147,7 @@ class ServeLoop:
     __slots__ = (
         "states", "manager", "scheduler", "clock", "revert", "batch_add", "bulk_decode",
         "on_step", "on_progress", "tpb", "mnt", "waiting", "prefilling", "decoders", "dec_k",
-        "gen_tokens", "spec", "draft", "draft_plane", "_draft_end",
+        "gen_tokens", "spec", "draft", "draft_plane", "_draft_end", "cross", "cross_tally",
         "events", "step", "now", "finished", *SERVE_COUNTERS, "timeline", "block_bytes",
         "data_plane", "_moved", "_row_reused",
         "_row_prompt", "_columns",
@@ -156,6 +159,7 @@ class ServeLoop:
         clock: StepClock, *, revert_deferred_ctx: bool = False, batch_add: bool = False,
         block_bytes: int = 0, bulk_decode: bool = True, data_plane=None,
         speculation: Speculation | None = None, draft_plane=None,
+        cross: KVCacheManager | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
         on_progress: Callable[[int], None] | None = None,
     ) -> None:
@@ -174,6 +178,9 @@ class ServeLoop:
         """The draft cache's data plane (with `data_plane`)."""
         self._draft_end: dict[int, int] = {}
         """Per running request, one past the last position the draft model wrote."""
+        self.cross = cross
+        """The cross-attention cache of encoder inputs (`engine/cross.py`), or None."""
+        self.cross_tally = CrossTally()
         self.bulk_decode = bulk_decode and data_plane is None and speculation is None
         self.data_plane = data_plane
         self.on_step = on_step
@@ -233,7 +240,8 @@ class ServeLoop:
         first = arrivals[0] if n else 0.0
         return ServeResult(
             requests=states, iterations=self.step, duration_s=self.now - first,
-            timeline=self.timeline, **{name: getattr(self, name) for name in SERVE_COUNTERS},
+            timeline=self.timeline, cross=self.cross_tally,
+            **{name: getattr(self, name) for name in SERVE_COUNTERS},
         )
 
     # --- one step -------------------------------------------------------------------------
@@ -251,7 +259,7 @@ class ServeLoop:
         num_gen, gen_tokens = len(self.decoders), self.gen_tokens
         plan = self.scheduler.plan_context(
             self.prefilling, self.waiting, num_gen, num_gen + len(self.prefilling), self.manager,
-            gen_tokens=gen_tokens)
+            gen_tokens=gen_tokens, cross=self.cross)
         if not plan and not num_gen:
             # Running requests hold the blocks the oldest one needs and none can move:
             # suspend the newest (the oldest always fits alone, which the caller checked).
@@ -317,6 +325,13 @@ class ServeLoop:
         tokens += ctx_tokens
         pairs += ctx_pairs
         kv += ctx_kv
+        encoded = encoded_pairs = 0  # encoder passes of new requests (cross KV not reused)
+        for w in work:
+            cseq = w.req.cross_seq
+            if w.new and cseq is not None:
+                n = cseq.request.input_length - cseq.reused_tokens
+                encoded += n
+                encoded_pairs += n * n
         if tokens > self.mnt:
             self.mnt_overflow_steps += 1
             self.max_mnt_overshoot_tokens = max(self.max_mnt_overshoot_tokens, tokens - self.mnt)
@@ -326,6 +341,8 @@ class ServeLoop:
         copy_bytes = (moved - self._moved) * self.block_bytes
         self._moved = moved
         dt = self.clock.step_seconds(tokens, pairs, kv, copy_bytes)
+        if encoded:
+            dt += self.clock.step_seconds(encoded, encoded_pairs, encoded)
         if self.spec is not None:
             dt += self.spec.draft_seconds(
                 ctx_tokens, ctx_pairs, ctx_kv,
@@ -470,24 +487,37 @@ class ServeLoop:
     def _place(self, plan: list[ContextWork]) -> list[ContextWork]:
         """Add the new context requests to the cache and give every planned chunk its blocks;
         returns the chunks that got them."""
-        mgr = self.manager
+        mgr, cross = self.manager, self.cross
         if self.batch_add:
             new = [w for w in plan if w.new]
             if new:
                 for w, seq in zip(new, mgr.add_sequences([w.req.view for w in new])):
                     w.req.seq = seq
+            if cross is not None:
+                # Only requests with an encoder input go there (TensorRT-LLM's batched add
+                # crashed on one without).
+                enc = [w.req for w in new if w.req.request.encoder is not None]
+                for r, cseq in zip(enc, cross.add_sequences([r.request.encoder for r in enc])):
+                    r.cross_seq = cseq
         placed = []
         for w in plan:
             r = w.req
             if w.new:
                 if not self.batch_add:
                     r.seq = mgr.add_sequence(r.view)
+                    if cross is not None and r.request.encoder is not None:
+                        r.cross_seq = cross.add_sequence(r.request.encoder)
                 seq = r.seq
                 r.phase = Phase.PREFILL
                 r.pre_tokens = 0
                 self.prefilling.append(r)
                 w.start = seq.reused_tokens
                 w.end = r.context_len if w.last else min(r.context_len, w.start + w.chunk)
+                cseq = r.cross_seq
+                if cseq is not None and not cross.resize(cseq, cseq.request.input_length):
+                    self.ctx_alloc_failures += 1
+                    self._unplace(r)
+                    continue
             else:
                 seq = r.seq
                 w.start = seq.num_computed
@@ -533,6 +563,11 @@ class ServeLoop:
             seq = r.seq
             mgr.commit(seq, w.end)
             r.pre_tokens = -1
+            cseq = r.cross_seq
+            if w.new and cseq is not None:  # the encoder's KV, written with the first chunk
+                self.cross.commit(cseq, cseq.request.input_length)
+                if r.reused_tokens < 0:
+                    self.cross_tally.count(cseq)
             if r.reused_tokens < 0:
                 r.reused_tokens = seq.reused_tokens
                 r.reused_tokens_host = seq.reused_tokens_host
@@ -632,6 +667,7 @@ class ServeLoop:
         else:
             self.prefilling.remove(r)
         self.manager.release(seq)
+        self._release_cross(r)
         self._drop_tokens(r)
         r.seq = None
         r.pre_tokens = -1
@@ -645,10 +681,16 @@ class ServeLoop:
         """Undo this step's add of a new context request: it waits again, holding nothing."""
         self.prefilling.remove(r)
         self.manager.release(r.seq)
+        self._release_cross(r)
         r.seq = None
         r.pre_tokens = -1
         r.phase = Phase.WAITING
         heappush(self.waiting, (r.idx, r))
+
+    def _release_cross(self, r: ServeRequest) -> None:
+        if r.cross_seq is not None:
+            self.cross.release(r.cross_seq)
+            r.cross_seq = None
 
     def _drop_decoder(self, r: ServeRequest) -> None:
         del self.decoders[r.idx]
@@ -665,6 +707,7 @@ class ServeLoop:
     def _release(self, r: ServeRequest) -> None:
         self._drop_tokens(r)
         self.manager.release(r.seq)
+        self._release_cross(r)
         r.seq = None
         r.phase = Phase.DONE
         r.finish_s = self.now

@@ -66,6 +66,9 @@ class Request:
     turn carries this answer, so decode blocks become reusable); None = unknown (traces)."""
     beam_width: int = 1
     """Beams decoded side by side (beam search); beam 0 generates the stream above."""
+    encoder: Request | None = None
+    """The encoder input of an encoder-decoder request, as the prompt of the cross-attention
+    cache (`traffic.decoding.encoder_input`); None = decoder only."""
     root_key: int = field(init=False, repr=False)
     """Key of the empty prefix: the namespace's salt, so namespaces never share blocks."""
     _keys: dict[int, list[int]] = field(default_factory=dict, repr=False)

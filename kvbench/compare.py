@@ -178,12 +178,22 @@ def print_comparison(console, comparison: Comparison, *, show_all: bool = False)
     if c.device_skips:
         _line(console, f"measured values not compared: baseline on {c.base_device}, current "
                        f"on {c.new_device}")
+    folded = []  # runs shown by their notes alone
     for run in c.runs:
         rows = [row for row in run.rows if show_all or row.failing or row.status == "improved"]
         if rows:
             _print_rows(console, _run_heading(run), rows)
-        for note in run.notes:
-            _line(console, f"  {note}" if rows else f"{run.title}: {note}")
+            for note in run.notes:
+                _line(console, f"  {note}")
+        elif run.notes:
+            folded.append(run)
+    if show_all or len(folded) == 1:
+        for run in folded:
+            for note in run.notes:
+                _line(console, f"{run.title}: {note}")
+    elif folded:
+        _line(console, f"{len(folded)} runs have notes, such as {folded[0].title}: "
+                       f"{folded[0].notes[0]}; --all shows them")
     if c.unguarded:
         _line(console, "not in the baseline (not guarded until it is updated): "
                        + ", ".join(c.unguarded))

@@ -153,7 +153,7 @@ def tune(
 ) -> None:
     """Search cache and scheduler knobs with Optuna; show the Pareto front."""
     from .tune import TuneJob
-    from .tune_view import tune_command
+    from .tune.view import tune_command
 
     job = TuneJob(str(workload), tuple(set_ or ()), trials, storage, study, heartbeat)
     code = tune_command(job, workers=workers, export_best=export_best, plots=plots, quiet=quiet,

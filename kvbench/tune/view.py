@@ -1,5 +1,6 @@
 """What `kvbench tune` shows: the live progress line, failure lines, the Pareto table, and the
-glue the CLI calls (`tune_command`). The study logic is in tune.py."""
+glue the CLI calls (`tune_command`). The study logic is in the other modules of this
+package."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import contextlib
 import signal
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.progress import (
@@ -20,9 +20,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from . import tune as T
-from .errors import InputError
-from .metrics import format_value
+from .. import tune as T
+from ..errors import InputError
+from ..metrics import format_value
 
 MAX_ROWS = 30
 MAX_FAILURE_LINES = 5
@@ -234,48 +234,18 @@ def tune_command(job: T.TuneJob, *, workers: int, export_best: Path | None,
     storage = T.open_storage(plan)
     study, notes = T.create_study(plan, storage)
     url = T.display_url(plan.storage_url)
-    before = T.tally(plan, study.get_trials(deepcopy=False))
     if not quiet:
-        seed = plan.tune.seed
-        err.print(f"[bold]tune {plan.study_name}[/bold]: {plan.tune.sampler} sampler"
-                  f"{'' if seed is None else f', seed {seed}'}, {plan.n_trials} trials, "
-                  f"{workers} worker{'s' if workers > 1 else ''}, storage {url}", highlight=False)
-        if plan.grid_size is not None and plan.grid_size < (job.n_trials or plan.tune.n_trials):
-            err.print(f"the grid has {plan.grid_size} points: the study runs {plan.grid_size}")
-        if before.used:
-            err.print(f"resuming: {before.finished} of {plan.n_trials} trials done")
-        for note in notes:
-            err.print(f"note: {note}")
-        if workers > 1 and not T.lock_is_exact(plan.storage_url):
-            err.print("note: this storage has no cross-process lock here; workers may overshoot "
-                      f"--trials by up to {workers - 1}")
-    code = 0
+        _print_header(err, job, plan, study, notes, workers, url)
     display = Display(err, plan, enabled=not quiet)
     with display, _signals_as_interrupt():
-        if workers == 1:
-            status = T.run_worker(plan, 0, storage=storage, on_update=display.update)
-            interrupted = status == "interrupted"
-        else:
-            result = T.run_workers(
-                plan, workers, poll=lambda: display.update(study.get_trials(deepcopy=False)))
-            interrupted = result.interrupted
-            display.update(study.get_trials(deepcopy=False))
-            for message in result.input_errors:
-                err.print(f"kvbench: error: {message}", highlight=False, markup=False,
-                          soft_wrap=True)
-            for message in result.errors:
-                err.print(f"kvbench: worker failed: {message}", highlight=False, markup=False,
-                          soft_wrap=True)
-            code = 2 if result.input_errors else 1 if result.errors else 0
-        display.update(study.get_trials(deepcopy=False))
+        code, interrupted = _run(plan, study, storage, workers, display, err)
     summary = T.summarize(plan, study.get_trials(deepcopy=False))
     if not quiet:
         out.print(f"study {plan.study_name!r} ({url}): {summary.tally.finished} of "
                   f"{plan.n_trials} trials: {_counts_line(plan, summary)}", highlight=False)
         if summary.pareto:
-            table = pareto_table(plan, summary)
             # A file or pipe gets the whole table, not one squeezed into 80 columns.
-            _print_wide(out, table)
+            _print_wide(out, pareto_table(plan, summary))
         else:
             out.print("no feasible complete trial yet")
     if interrupted:
@@ -283,14 +253,7 @@ def tune_command(job: T.TuneJob, *, workers: int, export_best: Path | None,
                   "run the same command to resume")
         code = code or 130
     if export_best is not None:
-        if summary.best is None:
-            err.print("kvbench: no feasible complete trial to export", highlight=False)
-            code = code or 1
-        else:
-            path = T.export_best(plan, summary.best, export_best)
-            if not quiet:
-                out.print(f"best by {plan.metric_names[0]}: trial #{summary.best.number} -> "
-                          f"{path} (kvbench run {path})", highlight=False)
+        code = _export(plan, summary, export_best, quiet, out, err) or code
     if plots is not None:
         written = T.write_plots(plan, study, plots)
         if not quiet:
@@ -299,3 +262,58 @@ def tune_command(job: T.TuneJob, *, workers: int, export_best: Path | None,
     if not quiet:
         out.print(f"view the study: {dashboard_command(plan.storage_url)}", highlight=False)
     return code
+
+
+def _print_header(err: Console, job: T.TuneJob, plan: T.Plan, study, notes: list[str],
+                  workers: int, url: str) -> None:
+    before = T.tally(plan, study.get_trials(deepcopy=False))
+    seed = plan.tune.seed
+    err.print(f"[bold]tune {plan.study_name}[/bold]: {plan.tune.sampler} sampler"
+              f"{'' if seed is None else f', seed {seed}'}, {plan.n_trials} trials, "
+              f"{workers} worker{'s' if workers > 1 else ''}, storage {url}", highlight=False)
+    if plan.grid_size is not None and plan.grid_size < (job.n_trials or plan.tune.n_trials):
+        err.print(f"the grid has {plan.grid_size} points: the study runs {plan.grid_size}")
+    if before.used:
+        err.print(f"resuming: {before.finished} of {plan.n_trials} trials done")
+    for note in notes:
+        err.print(f"note: {note}")
+    if workers > 1 and not T.lock_is_exact(plan.storage_url):
+        err.print("note: this storage has no cross-process lock here; workers may overshoot "
+                  f"--trials by up to {workers - 1}")
+
+
+def _run(plan: T.Plan, study, storage, workers: int, display: Display, err: Console
+         ) -> tuple[int, bool]:
+    """Run the study's trials in this process or in worker processes: (exit code, whether it
+    was interrupted)."""
+    code = 0
+    if workers == 1:
+        status = T.run_worker(plan, 0, storage=storage, on_update=display.update)
+        interrupted = status == "interrupted"
+    else:
+        result = T.run_workers(
+            plan, workers, poll=lambda: display.update(study.get_trials(deepcopy=False)))
+        interrupted = result.interrupted
+        display.update(study.get_trials(deepcopy=False))
+        for message in result.input_errors:
+            err.print(f"kvbench: error: {message}", highlight=False, markup=False,
+                      soft_wrap=True)
+        for message in result.errors:
+            err.print(f"kvbench: worker failed: {message}", highlight=False, markup=False,
+                      soft_wrap=True)
+        code = 2 if result.input_errors else 1 if result.errors else 0
+    display.update(study.get_trials(deepcopy=False))
+    return code, interrupted
+
+
+def _export(plan: T.Plan, summary: T.Summary, path: Path, quiet: bool, out: Console,
+            err: Console) -> int:
+    """Write the best trial as a workload; 1 when there is none."""
+    if summary.best is None:
+        err.print("kvbench: no feasible complete trial to export", highlight=False)
+        return 1
+    written = T.export_best(plan, summary.best, path)
+    if not quiet:
+        out.print(f"best by {plan.metric_names[0]}: trial #{summary.best.number} -> "
+                  f"{written} (kvbench run {written})", highlight=False)
+    return 0

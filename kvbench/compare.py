@@ -207,6 +207,8 @@ def _print_rows(console, title: str, rows: list[MetricRow]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from .report.tables import print_wide
+
     colors = {"regressed": "red", "mismatch": "red", "missing": "red", "improved": "green",
               "changed": "yellow", "skipped": "dim", "info": "dim", "new": "cyan"}
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
@@ -221,13 +223,7 @@ def _print_rows(console, title: str, rows: list[MetricRow]) -> None:
         cells = (row.metric, format_number(row.base), format_number(row.new),
                  _change(row.base, row.new), row.tolerance)
         table.add_row(*map(escape, cells), status + (f" ({row.note})" if row.note else ""))
-    width = console.measure(table, options=console.options.update_width(1000)).maximum
-    saved = console.width
-    console.width = max(saved, width)
-    try:
-        console.print(table)
-    finally:
-        console.width = saved
+    print_wide(console, table)
 
 
 def _line(console, text: str) -> None:

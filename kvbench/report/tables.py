@@ -41,6 +41,18 @@ def metrics_tables(title: str, runs: list[tuple[str, dict]]) -> list[Table]:
     return list(tables.values())
 
 
+def print_wide(console: Console, table: Table, *, limit: int = 1000) -> None:
+    """Print `table` at its natural width (up to `limit` columns) when that is wider than the
+    console, so that rich neither wraps nor crops its cells."""
+    width = console.measure(table, options=console.options.update_width(limit)).maximum
+    saved = console.width
+    console.width = max(saved, width)
+    try:
+        console.print(table)
+    finally:
+        console.width = saved
+
+
 def print_metrics(console: Console, title: str, runs: list[tuple[str, dict]]) -> None:
     for table in metrics_tables(title, runs):
         console.print(table)

@@ -23,6 +23,7 @@ from rich.table import Table
 from .. import tune as T
 from ..errors import InputError
 from ..metrics import format_value
+from ..report.tables import print_wide
 
 MAX_ROWS = 30
 MAX_FAILURE_LINES = 5
@@ -178,14 +179,8 @@ def _print_wide(console: Console, table: Table) -> None:
     """A file or pipe gets the whole table, not one squeezed into 80 columns."""
     if console.is_terminal:
         console.print(table)
-        return
-    width = console.measure(table, options=console.options.update_width(240)).maximum
-    saved = console.width
-    console.width = max(saved, width)
-    try:
-        console.print(table)
-    finally:
-        console.width = saved
+    else:
+        print_wide(console, table, limit=240)
 
 
 def _counts_line(plan: T.Plan, summary: T.Summary) -> str:

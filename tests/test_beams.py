@@ -311,3 +311,18 @@ def test_beam_keys_in_workloads(tmp_path):
     tight = load_workload(path, ["scheduler.max_batch_size=200", "scheduler.max_num_tokens=512"])
     with pytest.raises(InputError, match="beams x"):
         run_workload(tight)
+
+
+def test_cache_mode_data_plane_writes_every_beams_last_block():
+    """Cache mode with beams on the torch plane: each beam's own copy of an unfilled last
+    prompt block is written and attended over in its own page table."""
+    pytest.importorskip("torch")
+    from kvbench.config import load_workload
+    from kvbench.runner import run_workload
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "workloads" / "verify-small.yaml"
+    sets = ["requests.synthetic.num_requests=10", "requests.beam_widths=[1, 3]"]
+    outcomes = run_workload(load_workload(path, sets))
+    for o in outcomes:
+        assert o.metrics["verified"] is True, o.metrics.get("verify_mismatch")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..cache.manager import KVCacheManager, Sequence as CacheSequence
 from ..cache.windows import WindowedCacheManager, WindowedSequence
-from ..kernels.step import StepItem
+from ..kernels.step import StepItem, beam_items
 from ..traffic.request import Request
 from .cross import CrossTally
 from .timeline import Timeline
@@ -93,8 +93,12 @@ def replay_cache_mode(
 def _data_plane_step(data_plane, manager: KVCacheManager, r: Request, seq: CacheSequence) -> None:
     ops = list(manager.copy_ops)
     manager.copy_ops.clear()
-    data_plane.execute_step(
-        ops, [StepItem(r.id, r.prompt_tokens(), seq.blocks, seq.num_computed, r.input_length)])
+    tokens = r.prompt_tokens()
+    items = [StepItem(r.id, tokens, seq.blocks, seq.num_computed, r.input_length)]
+    if seq.beams:  # each beam's own copy of an unfilled last prompt block
+        items += beam_items(r.id, seq, seq.num_computed, r.input_length, manager.tpb,
+                            lambda beam: tokens)
+    data_plane.execute_step(ops, items)
 
 
 def _windowed_data_plane_step(data_plane, manager: WindowedCacheManager, r: Request,

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..cache.manager import KVCacheManager
 from ..cache.windows import WindowedCacheManager
-from ..kernels.step import StepItem, beam_tokens
+from ..kernels.step import StepItem, beam_items, beam_tokens
 from ..traffic.request import Request
 from .clock import StepClock
 from .cross import CrossTally
@@ -373,13 +373,9 @@ class ServeLoop:
             if not windowed:
                 seq = r.seq
                 items.append(StepItem(r.request.id, tokens, seq.blocks, start, end))
-                # Other beams compute only their own positions (the context past the shared
-                # blocks, then their tokens); the shared ones are beam 0's.
-                own = max(start, seq.shared_blocks * self.tpb)
-                for beam in range(1, seq.beam_width):
-                    if own < end:
-                        items.append(StepItem(r.request.id, self._stream(r, beam),
-                                              seq.beam_blocks(beam), own, end))
+                if seq.beams:
+                    items += beam_items(r.request.id, seq, start, end, self.tpb,
+                                        lambda beam, r=r: self._stream(r, beam))
                 continue
             for i in range(len(managers)):
                 first, blocks, scratch = mgr.step_view(r.seq, i, start)

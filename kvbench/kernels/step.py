@@ -46,6 +46,19 @@ def beam_tokens(request, beam: int, context: int, end: int) -> np.ndarray:
     return np.concatenate([sequence_tokens(request, context), own])
 
 
+def beam_items(request_id: int, seq, start: int, end: int, tokens_per_block: int,
+               tokens_of) -> list[StepItem]:
+    """The work of beams 1.. of a beam-search sequence (`cache.manager.Sequence`) computing
+    positions `[start, end)`: each beam computes only its own positions (past the blocks the
+    beams share, which beam 0's item writes) in its own page table; `tokens_of(beam)` gives
+    the beam's token ids."""
+    own = max(start, seq.shared_blocks * tokens_per_block)
+    if own >= end:
+        return []
+    return [StepItem(request_id, tokens_of(beam), seq.beam_blocks(beam), own, end)
+            for beam in range(1, seq.beam_width)]
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     """The attention shape the KV tensors and the synthetic model are built for."""

@@ -326,3 +326,46 @@ def test_cache_mode_data_plane_writes_every_beams_last_block():
     outcomes = run_workload(load_workload(path, sets))
     for o in outcomes:
         assert o.metrics["verified"] is True, o.metrics.get("verify_mismatch")
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompts=related_prompts(max_requests=8, max_len=14), data=st.data())
+def test_random_operations_keep_invariants(prompts, data):
+    """Random add / grow / commit / shrink / release on beam sequences, with a host tier:
+    the manager stays sane after every operation, each sequence holds one block per shared
+    position and one per beam per other position, and a grow takes exactly `grow_blocks`."""
+    m = mgr(tpb=3, blocks=30, host=data.draw(st.sampled_from([0, 5])))
+    live: list[Sequence] = []
+    for tokens in prompts:
+        r = req(tokens, width=data.draw(st.integers(1, 3)))
+        if m.estimate_add(r)[2] + m.grow_blocks(r, 0, r.input_length) <= m.gpu.num_free:
+            seq = m.add_sequence(r)
+            if m.resize(seq, r.input_length):
+                m.commit(seq, r.input_length)
+                live.append(seq)
+            else:
+                m.release(seq)
+            assert m._check_sanity()
+        for seq in list(live):
+            op = data.draw(st.sampled_from(["grow", "shrink", "release", "keep"]))
+            if op == "grow":
+                n = seq.num_tokens + data.draw(st.integers(1, 7))
+                need = m.grow_blocks(seq.request, len(seq.blocks), n)
+                free = m.gpu.num_free
+                if m.resize(seq, n):
+                    assert free - m.gpu.num_free == need
+                    m.commit(seq, n)
+                else:
+                    assert need > free
+            elif op == "shrink":
+                m.shrink(seq, data.draw(st.integers(seq.num_computed, seq.num_tokens)))
+            elif op == "release":
+                m.release(seq)
+                live.remove(seq)
+            assert m._check_sanity()
+            w = seq.beam_width
+            assert seq.num_blocks == len(seq.blocks) + (w - 1) * max(
+                0, len(seq.blocks) - seq.shared_blocks)
+    for seq in live:
+        m.release(seq)
+    assert m.gpu.num_in_use == 0 and m._check_sanity()

@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvbench.cache.ids import Retention, TokenRangeRetention
 from kvbench.errors import InputError
 from kvbench.metrics import DEFAULT_OBJECTIVES, direction
 
@@ -194,10 +195,11 @@ class CacheConfig(_Section):
         description="Out-of-window prompt blocks of sliding-window layers share scratch slots.",
     )
     secondary_offload_min_priority: int = Field(
-        35,
+        30,
         ge=0,
         le=100,
-        description="Retention priority a block needs to be offloaded to the host.",
+        description="Retention priority a block needs to be offloaded to the host"
+        " (TensorRT-LLM's default 30; blocks default to priority 35).",
     )
     release_out_of_window: Literal["keep_cached", "drop"] = Field(
         "keep_cached",
@@ -216,6 +218,12 @@ class CacheConfig(_Section):
         lt=1,
         description="Share of max_tokens for the cross-attention KV of encoder-decoder"
         " requests (TensorRT-LLM's name); the self-attention cache gets the rest.",
+    )
+    strict_phase2: bool = Field(
+        False,
+        description="Fail the run, naming the request and step, when an onboard or partial"
+        " copy of an add finds no free GPU block (TensorRT-LLM throws); by default that"
+        " request's reuse ends there and phase2_alloc_failures counts it.",
     )
 
     @field_validator("max_tokens")
@@ -344,6 +352,56 @@ def _needed_by(value, info: ValidationInfo, start: str, key: str):
         raise ValueError(f"only used when requests.sessions.start is '{start}' (got {_show(value)})")
     return value
 
+class TokenRangeRetentionConfig(_Section):
+    """Retention of the prompt blocks that start in tokens [start, end)."""
+
+    start: int = Field(ge=0, description="First prompt token of the range.")
+    end: int | None = Field(
+        None, gt=0, description="One past the last token; null = to the end of the prompt."
+    )
+    priority: int = Field(ge=0, le=100, description="Retention priority 0..100 (default 35).")
+    duration_ms: Number | None = Field(
+        None,
+        gt=0,
+        description="Time a freed block keeps the priority before it drops to 35; null = always.",
+    )
+
+
+class RetentionConfig(_Section):
+    """Retention priorities of every request's blocks, as TensorRT-LLM's
+    KvCacheRetentionConfig: lower priorities are evicted first, each level in LRU order."""
+
+    token_ranges: list[TokenRangeRetentionConfig] = Field(
+        default_factory=list,
+        description="Priorities of prompt blocks by token range (sorted, non-overlapping); a"
+        " block takes the range holding its first token, others keep 35.",
+    )
+    decode_priority: int = Field(
+        35, ge=0, le=100, description="Retention priority of the blocks generated in decode."
+    )
+    decode_duration_ms: Number | None = Field(
+        None, gt=0, description="Duration of decode_priority; null = always."
+    )
+
+    @model_validator(mode="after")
+    def _ranges_ordered(self) -> RetentionConfig:
+        prev = None
+        for i, r in enumerate(self.token_ranges):
+            if r.end is not None and r.end <= r.start:
+                raise ValueError(f"token_ranges[{i}]: expected end > start (got start={r.start},"
+                                 f" end={r.end})")
+            if prev is not None and (prev.end is None or r.start < prev.end):
+                raise ValueError(f"token_ranges[{i}]: expected ranges sorted by start and not"
+                                 " overlapping")
+            prev = r
+        return self
+
+    def to_retention(self) -> Retention:
+        return Retention(
+            tuple(TokenRangeRetention(r.start, r.end, r.priority, r.duration_ms)
+                  for r in self.token_ranges),
+            self.decode_priority, self.decode_duration_ms)
+
 
 class EncoderConfig(_Section):
     """Encoder inputs of encoder-decoder requests (e.g. audio frames of a Whisper-style model):
@@ -410,6 +468,11 @@ class RequestsConfig(_Section):
         None,
         min_length=1,
         description="Per request, a beam width drawn uniformly (seeded by run.seed) from this list.",
+    )
+    retention: RetentionConfig | None = Field(
+        None,
+        description="Retention priorities of every request's blocks (e.g. keep the system"
+        " prompt); null = every block at the default priority 35.",
     )
 
     @field_validator("path")

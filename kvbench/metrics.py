@@ -199,7 +199,9 @@ _m("optimal_hit_rate", "number", "fraction", "optimal hit rate (same capacity)",
    description="Farthest-next-use eviction at the same capacity (cache mode, one pool; null "
                "otherwise).")
 _m("ideal_hit_rate", "number", "fraction", "ideal hit rate (unlimited cache)", "Reuse", _f,
-   RATE_MATCH, pinned=True, description="The hit rate of a cache that never evicts.")
+   RATE_MATCH, pinned=True,
+   description="The hit rate of a cache that never evicts, under the run's reuse and window "
+               "rules: it bounds hit_rate.")
 # Memory.
 _m("gpu_blocks_total", "count", "blocks", "GPU blocks total", "Memory", _c, MATCH, pinned=True,
    description="GPU blocks (slots of all pools).")
@@ -234,7 +236,8 @@ _m("scratch_slots_peak", "count", "blocks", "scratch slots peak", "Memory", _c, 
    needs="windows", pinned=True, description="Most scratch slots held at once.")
 _m("deferred_ctx_blocks_held_peak", "count", "blocks", "deferred ctx blocks held peak",
    "Memory", _c, LOWER, SERVE, pinned=True,
-   description="Most blocks deferred context requests held while delay batching waited.")
+   description="Most blocks deferred context requests held for their postponed chunks while "
+               "delay batching waited (not the blocks they reuse).")
 _m("pools", "pools", "blocks", "pools: peak / total GPU blocks", "Memory", format_pools, EITHER,
    needs="windows", description="Per pool (`full`, `window_W`): layers, slot_bytes, "
    "gpu_blocks_total, peak_gpu_blocks, host_blocks_total, evicted_blocks.")
@@ -248,7 +251,7 @@ _m("partial_copy_blocks", "count", "blocks", "partial copies", "Traffic", _c, EI
 _m("onboard_blocks", "count", "blocks", "onboarded blocks (host->GPU)", "Traffic", _c, EITHER,
    pinned=True, description="Host hits copied to the GPU.")
 _m("offload_blocks", "count", "blocks", "offloaded blocks (GPU->host)", "Traffic", _c, EITHER,
-   pinned=True, description="GPU blocks moved to the host on eviction.")
+   pinned=True, description="GPU blocks whose data moved to the host on eviction.")
 _m("onboard_bytes", "count", "bytes", "onboarded bytes", "Traffic", _b, EITHER, pinned=True,
    description="Bytes onboarded.")
 _m("offload_bytes", "count", "bytes", "offloaded bytes", "Traffic", _b, EITHER, pinned=True,
@@ -257,7 +260,11 @@ _m("host_link_ms_modeled", "number", "ms", "host-link time (modeled)", "Traffic"
    EITHER, pinned=True,
    description="Onboard and offload bytes over the hardware's host link (modeled).")
 _m("host_evicted_blocks", "count", "blocks", "host blocks evicted", "Traffic", _c, LOWER,
-   description="Host blocks evicted to make room for offloads.")
+   description="Host blocks whose data was dropped to make room for offloads.")
+_m("phase2_alloc_failures", "count", "blocks", "onboards/partial copies short of a block",
+   "Traffic", _c, LOWER,
+   description="Onboards and partial copies of an add that found no free GPU block (that "
+               "request's reuse ended there; cache.strict_phase2 fails the run instead).")
 _m("scratch_blocks", "count", "blocks", "blocks in scratch slots", "Traffic", _c, EITHER,
    needs="windows", pinned=True, description="Out-of-window prompt blocks put in scratch slots.")
 _m("reuse_fallbacks", "count", "requests", "window reuse fallbacks", "Traffic", _c, LOWER,
@@ -302,7 +309,8 @@ _m("tokens_per_decode_step", "number", "tokens", "tokens per decode step", "Serv
    description="Tokens a decoder's step yielded on average (1..max_draft_len + 1).")
 _m("deferred_ctx_blocks_reverted", "count", "blocks", "deferred ctx blocks reverted",
    "Serving", _c, EITHER, SERVE, pinned=True,
-   description="Blocks deferred requests returned at once (revert_deferred_ctx).")
+   description="Blocks deferred requests gave back: their step's new blocks (at once with "
+               "revert_deferred_ctx, else before a decoder preempts anyone); reuse stays.")
 _m("time_source", "text", "", "time source", "Serving", str, MATCH, pinned=True,
    description="`modeled` or `measured`: where the run's times come from (serve mode; cache "
                "mode with a CUDA data plane: measured).")

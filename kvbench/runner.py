@@ -59,6 +59,7 @@ def cache_spec(workload: Workload, *, emit_copy_ops: bool = False) -> CacheSpec:
         enable_partial_reuse=c.enable_partial_reuse,
         copy_on_partial_reuse=c.copy_on_partial_reuse,
         emit_copy_ops=emit_copy_ops,
+        strict_phase2=c.strict_phase2,
     )
 
 
@@ -87,7 +88,8 @@ def cross_manager(wl: Workload, requests: list[Request]) -> KVCacheManager | Non
     return KVCacheManager(CacheSpec(
         tokens_per_block=tpb, num_gpu_blocks=blocks, enable_block_reuse=c.enable_block_reuse,
         enable_partial_reuse=c.enable_partial_reuse,
-        copy_on_partial_reuse=c.copy_on_partial_reuse, cross_kv=True))
+        copy_on_partial_reuse=c.copy_on_partial_reuse, cross_kv=True,
+        strict_phase2=c.strict_phase2))
 
 
 def run_workload(workload: Workload, progress: ProgressFactory | None = None) -> list[RunOutcome]:
@@ -115,6 +117,10 @@ def _load(wl: Workload) -> list[Request]:
              "and lengths only), so cache mode has nothing to reuse and its hit rates are 0 "
              "by construction; run.mode: serve uses such a trace as it is")
     apply_decoding(requests, wl.requests, wl.run.seed)
+    if wl.requests.retention is not None:
+        retention = wl.requests.retention.to_retention()
+        for r in requests:
+            r.retention = retention
     return requests
 
 
@@ -232,6 +238,7 @@ def windowed_manager(wl: Workload, requests: list[Request], *,
         secondary_offload_min_priority=c.secondary_offload_min_priority,
         enable_block_reuse=c.enable_block_reuse, enable_partial_reuse=c.enable_partial_reuse,
         copy_on_partial_reuse=c.copy_on_partial_reuse, emit_copy_ops=emit_copy_ops,
+        strict_phase2=c.strict_phase2,
     ) for n in blocks]
     return WindowedCacheManager(
         cycles, specs, release_out_of_window=c.release_out_of_window,
@@ -269,12 +276,15 @@ def _run_one(
     advance = progress(name, len(requests)) if progress is not None else None
     result = replay_cache_mode(requests, manager, advance, data_plane=plane, cross=cross)
     # With a host tier the optimum may keep blocks in either tier: one pool of both sizes.
-    # With windows it is null: the offline optimum is for one pool; the ideal is that of an
-    # unlimited cache that keeps every block (no scratch, nothing dropped).
-    refs = reference_hit_rates(
-        requests, spec.tokens_per_block,
-        spec.num_gpu_blocks + spec.num_host_blocks if windowed is None else None,
-        partial_reuse=spec.enable_partial_reuse, block_reuse=spec.enable_block_reuse)
+    # With windows it is null (the offline optimum is for one pool) and the ideal is an
+    # unlimited cache under the same window rules.
+    if windowed is None:
+        refs = reference_hit_rates(
+            requests, spec.tokens_per_block, spec.num_gpu_blocks + spec.num_host_blocks,
+            partial_reuse=spec.enable_partial_reuse, block_reuse=spec.enable_block_reuse)
+        ideal, optimal = refs.ideal_hit_rate, refs.optimal_hit_rate
+    else:
+        ideal, optimal = _ideal_hit_rate(requests, spec, windowed, serve=False), None
     wall = time.perf_counter() - t0
     for r in requests:
         r.drop_keys()
@@ -283,8 +293,8 @@ def _run_one(
                          result.reused_partial_tokens),
         "reused_full_blocks": result.reused_full_blocks,
         "reused_partial_blocks": result.reused_partial_blocks,
-        "ideal_hit_rate": refs.ideal_hit_rate,
-        "optimal_hit_rate": refs.optimal_hit_rate,
+        "ideal_hit_rate": ideal,
+        "optimal_hit_rate": optimal,
         "wall_s": wall,
         "verified": None,
         "max_abs_err": None,
@@ -344,6 +354,7 @@ def _cache_metrics(
         "host_link_ms_modeled": (onboard_bytes + offload_bytes) / link * 1e3,
         "host_evicted_blocks": manager.host_evicted_blocks,
         "partial_copy_blocks": manager.partial_copy_blocks,
+        "phase2_alloc_failures": manager.phase2_alloc_failures,
     }
 
 
@@ -383,7 +394,7 @@ def _run_serve(
         else windowed.gpu_bytes_total // windowed.gpu_blocks_total,
         data_plane=plane, speculation=speculation, draft_plane=draft_plane, cross=cross,
         on_progress=advance)
-    ideal = _serve_ideal_hit_rate(requests, spec)
+    ideal = _ideal_hit_rate(requests, spec, windowed, serve=True)
     wall = time.perf_counter() - t0
     for r in requests:
         r.drop_keys()
@@ -450,24 +461,31 @@ def _draft_metrics(wl: Workload, draft: KVCacheManager, states) -> dict:
     }
 
 
-def _serve_ideal_hit_rate(requests: list[Request], spec: CacheSpec) -> float:
-    """An unlimited cache replaying the requests in order, each storing its prompt and its
-    generated blocks. Generated tokens the traffic does not know are unique to their request,
-    so then only prompts matter and the oracle answers; known answers (multi-turn sessions) are
-    replayed through a cache that never evicts."""
+def _ideal_hit_rate(requests: list[Request], spec: CacheSpec,
+                    windowed: WindowedCacheManager | None, *, serve: bool) -> float:
+    """An unlimited cache with the run's reuse rules replaying the requests in order, each
+    storing its prompt (in serve mode, and its generated blocks) before the next. With sliding
+    windows it has the run's life cycles and window rules (a request reuses up to any end
+    whose window blocks are stored), keeping every block, so it bounds the run's hit rate:
+    a prefix-only ideal does not (with a window of 1 every end is served). Generated tokens
+    the traffic does not know are unique to their request, so without windows and without
+    known answers only prompts matter and the oracle answers."""
     tpb = spec.tokens_per_block
-    if all(r.output_tokens is None for r in requests):
+    if windowed is None and (not serve or all(r.output_tokens is None for r in requests)):
         return reference_hit_rates(
             requests, tpb, None, partial_reuse=spec.enable_partial_reuse,
             block_reuse=spec.enable_block_reuse).ideal_hit_rate
-    computed = [max(r.input_length, r.stream_length - 1) for r in requests]
-    manager = KVCacheManager(CacheSpec(
-        tpb, sum(-(-n // tpb) for n in computed), enable_block_reuse=spec.enable_block_reuse,
+    computed = [max(r.input_length, r.stream_length - 1) if serve else r.input_length
+                for r in requests]
+    unlimited = CacheSpec(
+        tpb, sum(-(-n // tpb) for n in computed) + 1, enable_block_reuse=spec.enable_block_reuse,
         enable_partial_reuse=spec.enable_partial_reuse,
-        copy_on_partial_reuse=spec.copy_on_partial_reuse))
+        copy_on_partial_reuse=spec.copy_on_partial_reuse)
+    manager = (KVCacheManager(unlimited) if windowed is None else
+               WindowedCacheManager(windowed.cycles, [unlimited] * len(windowed.cycles)))
     reused = 0
     for r, n in zip(requests, computed):
-        seq = manager.add_sequence(r.view(r.input_length))
+        seq = manager.add_sequence(r.view(r.input_length) if serve else r)
         manager.resize(seq, n)
         manager.commit(seq, n)
         manager.release(seq)

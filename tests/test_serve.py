@@ -58,12 +58,14 @@ class Run:
         if rec.deferred:
             assert not rec.context
         if self.revert:
-            # A deferred request holds no blocks for the step it was deferred.
+            # A deferred request holds what it held before the step; one added this step
+            # keeps what it reuses.
             for i in rec.deferred:
                 seq = states[i].seq
-                held = 0 if seq is None else len(seq.blocks)
-                before = 0 if i in rec.preempted else self.blocks_before.get(i, 0)
-                assert held == before
+                if i in self.blocks_before and i not in rec.preempted:
+                    assert len(seq.blocks) == self.blocks_before[i]
+                else:
+                    assert len(seq.blocks) == -(-seq.reused_tokens // self.tpb)
         for i, pos in rec.generation:
             assert self.next_pos[i] == pos
             self.next_pos[i] = pos + rec.repeat

@@ -70,8 +70,9 @@ class FreeQueue:
         self._nonempty |= 1 << priority
         self._size += len(blocks)
 
-    def pop_front_many(self, n: int) -> list[BlockId]:
-        """The next `n` victims in order (fewer if the queue runs out), unlinked as runs."""
+    def pop_front_many(self, n: int, max_level: int = NUM_PRIORITY_LEVELS) -> list[BlockId]:
+        """The next `n` victims in order (fewer if the queue runs out, or reaches a level above
+        `max_level`), unlinked as runs."""
         out: list[BlockId] = []
         append = out.append
         nxt, prv, level = self._next, self._prev, self._level
@@ -79,6 +80,8 @@ class FreeQueue:
         while left and self._nonempty:
             mask = self._nonempty
             lv = (mask & -mask).bit_length() - 1
+            if lv > max_level:
+                break
             s = self._sentinel0 + lv
             b = nxt[s]
             while b != s and left:

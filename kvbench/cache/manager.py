@@ -36,9 +36,10 @@ a free queue is stored in the prefix index; a live sequence holds only GPU block
 from __future__ import annotations
 
 from dataclasses import dataclass
+from heapq import heappop, heappush
 from typing import TYPE_CHECKING
 
-from .ids import BlockId, BlockKey, CopyKind, CopyOp, Tier
+from .ids import DEFAULT_RETENTION_PRIORITY, BlockId, BlockKey, CopyKind, CopyOp, Tier
 from .pool import BlockPool
 from .radix import PrefixIndex
 
@@ -62,14 +63,34 @@ class CacheSpec:
     """Reuse the matching leading tokens of a block that matches only in part."""
     copy_on_partial_reuse: bool = True
     """Copy a partially matched block that is in use or has children instead of giving up."""
-    secondary_offload_min_priority: int = 35
-    """Evicted GPU blocks below this retention priority are dropped, not offloaded."""
+    secondary_offload_min_priority: int = 30
+    """Evicted GPU blocks below this retention priority are dropped, not offloaded
+    (TensorRT-LLM's kDefaultSecondaryOffloadMinPriority)."""
     emit_copy_ops: bool = False
     """Record every block copy as a `CopyOp` for a data plane (otherwise only count them)."""
     cross_kv: bool = False
     """Cross-attention KV (written once from the encoder output): every block, the last
     included, is shared among a sequence's beams."""
+    strict_phase2: bool = False
+    """Raise `Phase2AllocationError` when an onboard or a partial copy finds no GPU block
+    (TensorRT-LLM throws); otherwise that request's reuse ends there and it is counted."""
 
+
+class Phase2AllocationError(RuntimeError):
+    """An onboard or partial copy of an add found no free GPU block (`strict_phase2`)."""
+
+    def __init__(self, request_id: int, what: str, step: int | None = None) -> None:
+        where = f" in step {step}" if step is not None else ""
+        super().__init__(f"request {request_id}{where}: no free GPU block for {what}"
+                         " (cache.strict_phase2)")
+        self.request_id = request_id
+        self.what = what
+
+
+_CLAIMED, _TAKEN, _ONBOARDED = 1, 2, 3
+"""`estimate_add` plan states of a block: claimed by a planned request (a full match, or the
+source of a partial copy); taken in place by one for a partial match; a host block a planned
+request onboards."""
 
 NO_BLOCK = BlockId(-1)
 """Placeholder in `Sequence.blocks` for a position that holds no block of this life cycle: a
@@ -156,7 +177,8 @@ class KVCacheManager:
     __slots__ = (
         "spec", "tpb", "gpu", "host", "index", "ref_count", "priority", "copy_ops",
         "evicted_blocks", "allocated_blocks", "partial_copy_blocks", "onboard_blocks",
-        "offload_blocks", "host_evicted_blocks", "peak_host_blocks", "_moved", "_live",
+        "offload_blocks", "host_evicted_blocks", "peak_host_blocks", "phase2_alloc_failures",
+        "now_s", "expires", "_expiring", "_moved", "_live",
     )
 
     def __init__(self, spec: CacheSpec) -> None:
@@ -178,10 +200,20 @@ class KVCacheManager:
         self.partial_copy_blocks = 0
         self.onboard_blocks = 0
         self.offload_blocks = 0
+        """GPU blocks whose data moved to the host."""
         self.host_evicted_blocks = 0
         """Host blocks whose data was dropped to make room for an offload."""
         self.peak_host_blocks = 0
         """Most host blocks holding data at once."""
+        self.phase2_alloc_failures = 0
+        """Onboards and partial copies that found no free GPU block (the reuse ended there)."""
+        self.now_s = 0.0
+        """The caller's clock (`refresh`): retention durations run on it."""
+        self.expires = [0.0] * (g + h)
+        """When a free block's retention duration ends (0: none); valid while it is free."""
+        self._expiring: list[tuple[float, BlockId]] = []
+        """Heap of (expiry, block) of free blocks released with a duration; stale entries
+        (the block was claimed or released again since) are skipped."""
         self._moved: dict[BlockId, BlockId] = {}
         """Host block -> the GPU block it was onboarded to, within one add (several requests
         of a batch may have claimed the same host block)."""
@@ -201,6 +233,23 @@ class KVCacheManager:
         onboards and partial copies get their GPU blocks."""
         full, partial = self.match(request)
         return len(full) * self.tpb + (partial[1] if partial is not None else 0)
+
+    def refresh(self, now_s: float) -> None:
+        """Advance the clock to `now_s` and move each free block whose retention duration
+        has ended to the default priority, at the back of its queue (TensorRT-LLM's
+        `LRUEvictionPolicy::refresh`). Call it before the allocations of each step."""
+        self.now_s = now_s
+        heap, expires, prio = self._expiring, self.expires, self.priority
+        while heap and heap[0][0] <= now_s:
+            t, b = heappop(heap)
+            if expires[b] != t:
+                continue
+            expires[b] = 0.0
+            fq = self._pool(b).free_queue
+            if b in fq and prio[b] != DEFAULT_RETENTION_PRIORITY:
+                fq.remove(b)
+                prio[b] = DEFAULT_RETENTION_PRIORITY
+                fq.push_back(b, DEFAULT_RETENTION_PRIORITY)
 
     def add_sequence(self, request: Request) -> Sequence:
         """Match, claim and onboard the request's reusable prefix (the sequential path)."""
@@ -271,33 +320,69 @@ class KVCacheManager:
         valuable), the rest become empty."""
         self._untrack(seq)
         self._store_tail(seq)
-        blocks = seq.blocks
-        if seq.holes:
-            blocks = [b for b in blocks if b != NO_BLOCK]
-            seq.holes = False
         for beam in seq.beams:
-            self._unhold(beam, seq.request.priority)
+            self._unhold(beam, seq.request, seq.shared_blocks)
             beam.clear()
-        self._unhold(blocks, seq.request.priority)
+        self._unhold(seq.blocks, seq.request)
+        seq.holes = False
         seq.blocks = []
 
-    def estimate_add(self, request: Request) -> tuple[int, int, int]:
+    def estimate_add(self, request: Request, plan: dict | None = None) -> tuple[int, int, int]:
         """What adding `request` now would take, without claiming anything (a scheduler's
-        budget before allocation): tokens reused (as `estimate_reuse`), the sequence's leading
-        blocks those occupy, and free GPU blocks the add would consume (matched blocks leaving
-        the free queue, onboards of host hits, the partial match's block or its copy)."""
-        full, partial = self.match(request)
+        budget before allocation): tokens reused, the sequence's leading blocks those occupy,
+        and the most free GPU blocks the add takes (matched blocks leaving the free queue,
+        onboards of host hits, a partial match's block, or its copy with the source still
+        claimed while it is copied).
+
+        `plan` (an empty dict per step) makes the estimates of a step's new requests exact for
+        the batched add of all of them, when they are estimated in the order `add_sequences`
+        gets them: each match sees the claims of the requests estimated before it, as phase 1
+        does; a block several of them claim is drawn once; and a block an earlier one would
+        take in place for a partial match, which a later claim forces phase 2 to copy, costs
+        the later one that copy. The request's claims are entered in `plan`, so estimate only
+        requests the batch adds, in order (a scheduler stops at the first that does not fit)."""
+        if plan is None:
+            plan = {}
+        full, partial = self.match_capped(request, request.input_length, 0, plan)
+        reused = len(full) * self.tpb + (partial[1] if partial is not None else 0)
+        return reused, len(full) + (partial is not None), self.plan_claims(full, partial, plan)
+
+    def plan_claims(self, full: list[BlockId], partial: tuple[BlockId, int] | None,
+                    plan: dict) -> int:
+        """The free GPU blocks a batched add of the match `(full, partial)` takes after the
+        claims already in `plan` (see `estimate_add`), which it then joins."""
         g, ref = self.gpu.capacity, self.ref_count
-        reused, blocks = len(full) * self.tpb, len(full)
         draw = 0
         for b in full:
-            if b >= g or not ref[b]:
+            if b == NO_BLOCK:
+                continue
+            state = plan.get(b)
+            if b >= g:
+                if state != _ONBOARDED:
+                    draw += 1
+                plan[b] = _ONBOARDED
+                continue
+            if state is None:
+                draw += not ref[b]
+            elif state == _TAKEN:
                 draw += 1
+            plan[b] = _CLAIMED
         if partial is not None:
-            reused += partial[1]
-            blocks += 1
-            draw += not (self._complete_tail(*partial) and ref[partial[0]])
-        return reused, blocks, draw
+            b, n = partial
+            state = plan.get(b)
+            if self._complete_tail(b, n):  # shared as it is, like a full block
+                draw += (state is None and not ref[b]) or state == _TAKEN
+                plan[b] = _CLAIMED
+                return draw
+            draw += 1  # the block itself, or its copy
+            if b >= g:
+                plan[b] = state or _CLAIMED
+            elif state is None and not ref[b] and not self.index.has_children(b):
+                plan[b] = _TAKEN
+            else:
+                draw += (state is None and not ref[b]) or state == _TAKEN
+                plan[b] = _CLAIMED
+        return draw
 
     def shrink(self, seq: Sequence, num_tokens: int) -> int:
         """Undo `resize` down to `num_tokens` tokens before anything past them is computed
@@ -308,25 +393,23 @@ class KVCacheManager:
         keep = -(-num_tokens // self.tpb)
         extra = seq.blocks[keep:]
         del seq.blocks[keep:]
-        if seq.holes:
-            extra = [b for b in extra if b != NO_BLOCK]
         own = max(0, keep - seq.shared_blocks)
-        for beam in seq.beams:
+        for beam in seq.beams:  # never stored, so their positions do not matter
             extra.extend(beam[own:])
             del beam[own:]
         seq.num_tokens = min(seq.num_tokens, num_tokens)
-        self._unhold(extra, seq.request.priority)
-        return len(extra)
+        self._unhold(extra, seq.request, keep)
+        return len(extra) - extra.count(NO_BLOCK) if seq.holes else len(extra)
 
     def match_capped(
-        self, request: Request, max_tokens: int, first_block: int = 0,
+        self, request: Request, max_tokens: int, first_block: int = 0, plan: dict | None = None,
     ) -> tuple[list[BlockId], tuple[BlockId, int] | None]:
         """`match` reusing at most `max_tokens` tokens, for a caller that combines several
         life cycles (`windows.py`): blocks before `first_block` are not looked up (NO_BLOCK
         stands in for them: a sliding window at the match end does not need them), and a
         partial match `add` could not use (shared, without copy_on_partial_reuse) is left
         out, so the match is exactly what `claim_match` reuses unless an onboard or a copy
-        finds no free GPU block."""
+        finds no free GPU block. Blocks in `plan` (`estimate_add`) count as claimed."""
         if not self.spec.enable_block_reuse:
             return [], None
         tpb = self.tpb
@@ -341,10 +424,14 @@ class KVCacheManager:
         if self.index.kids is not None:
             pos = len(full)
             parent = keys[pos - 1] if full else request.root_key
+            claimable = self._claimable
+            if plan:
+                def claimable(b: BlockId) -> bool:
+                    return b not in plan and self._claimable(b)
             partial = self.index.best_partial(
-                parent, request, pos, min(tpb, max_tokens - pos * tpb), self._claimable)
+                parent, request, pos, min(tpb, max_tokens - pos * tpb), claimable)
             if partial is not None and not (self._complete_tail(*partial)
-                                            or self._partial_usable(partial[0])):
+                                            or self._partial_usable(partial[0], plan)):
                 partial = None
         return full, partial
 
@@ -391,14 +478,13 @@ class KVCacheManager:
         until evicted), otherwise it is dropped from the index and becomes empty. Commit the
         sequence first, or its computed blocks are lost. Returns the GPU blocks freed."""
         blocks = seq.blocks
-        gone = []
-        for i in range(begin, min(end, len(blocks))):
-            if blocks[i] != NO_BLOCK:
-                gone.append(blocks[i])
-                blocks[i] = NO_BLOCK
-        if end > begin:
-            seq.holes = True
-        return self._unhold(gone, seq.request.priority, keep_cached)
+        end = min(end, len(blocks))
+        if end <= begin:
+            return 0
+        gone = blocks[begin:end]
+        blocks[begin:end] = [NO_BLOCK] * (end - begin)
+        seq.holes = True
+        return self._unhold(gone, seq.request, begin, keep_cached)
 
     def enable_sanity_tracking(self) -> None:
         """Track live sequences so `_check_sanity` can verify ref counts (tests only)."""
@@ -406,17 +492,24 @@ class KVCacheManager:
 
     # --- helpers --------------------------------------------------------------------------
 
-    def _unhold(self, blocks: list[BlockId], level: int, keep_cached: bool = True) -> int:
-        """Drop one hold on each of `blocks` (GPU blocks in sequence order). A block nobody
-        holds any more becomes free: a stored one joins the free queue at `level` (the deepest
-        first in line for eviction, as a request touches its blocks in order) unless
-        `keep_cached` is off, then it leaves the index; the rest become empty. Returns the
-        blocks freed."""
-        ref, prio, stored, index = self.ref_count, self.priority, self.index.stored, self.index
+    def _unhold(self, blocks: list[BlockId], request: Request, first: int = 0,
+                keep_cached: bool = True) -> int:
+        """Drop one hold on each of `blocks`, a run of `request`'s sequence from position
+        `first` (NO_BLOCK entries are skipped). A block nobody holds any more becomes free: a
+        stored one joins the free queue at its retention priority (the request's, or its
+        position's under the request's `retention`: prompt blocks by token range, later ones
+        the decode retention), the deepest first in line for eviction as a request touches
+        its blocks in order, unless `keep_cached` is off, then it leaves the index; the rest
+        become empty. Returns the blocks freed."""
+        ref, stored, index = self.ref_count, self.index.stored, self.index
         empty = self.gpu.empty
-        cached: list[BlockId] = []
+        cached: list[int] = []
+        """Positions in `blocks` of the freed stored blocks, deepest first."""
         freed = 0
-        for b in reversed(blocks):
+        for i in range(len(blocks) - 1, -1, -1):
+            b = blocks[i]
+            if b < 0:  # NO_BLOCK
+                continue
             r = ref[b] - 1
             ref[b] = r
             if r:
@@ -425,17 +518,47 @@ class KVCacheManager:
             if stored[b] is None:
                 empty.append(b)
             elif keep_cached:
-                prio[b] = level
-                cached.append(b)
+                cached.append(i)
             else:
                 index.remove(b)
                 empty.append(b)
-        self.gpu.free_queue.push_back_many(cached, level)
         self.gpu.num_in_use -= freed
+        if not cached:
+            return freed
+        prio, fq = self.priority, self.gpu.free_queue
+        if request.retention is None:
+            level = request.priority
+            run = [blocks[i] for i in cached]
+            for b in run:
+                prio[b] = level
+            fq.push_back_many(run, level)
+            if self._expiring:  # a stale heap entry may name one of them
+                expires = self.expires
+                for b in run:
+                    expires[b] = 0.0
+            return freed
+        table = request.block_retentions(self.tpb)
+        decode = (request.retention.decode_priority, request.retention.decode_duration_ms)
+        for i in cached:
+            b, pos = blocks[i], first + i
+            level, duration_ms = table[pos] if pos < len(table) else decode
+            prio[b] = level
+            fq.push_back(b, level)
+            self._set_expiry(b, level, duration_ms)
         return freed
 
     def _shared_blocks(self, request: Request) -> int:
         return shared_blocks(self.tpb, request, self.spec.cross_kv)
+
+    def _set_expiry(self, b: BlockId, level: int, duration_ms: float | None) -> None:
+        """Start free block `b`'s retention duration: when it ends (`refresh`) the block
+        drops to the default priority. As TensorRT-LLM, a block at the default has none."""
+        if duration_ms is not None and level != DEFAULT_RETENTION_PRIORITY:
+            t = self.now_s + duration_ms / 1e3
+            self.expires[b] = t
+            heappush(self._expiring, (t, b))
+        elif self._expiring:
+            self.expires[b] = 0.0
 
     def _pool(self, b: BlockId) -> BlockPool:
         return self.gpu if b < self.gpu.capacity else self.host
@@ -454,6 +577,7 @@ class KVCacheManager:
             if moved is None:
                 dst = self._allocate(1, self.priority[b])
                 if dst is None:
+                    self._phase2_failed(seq, "an onboard")
                     self._drop_claims(seq, i)
                     break
                 moved = self._move_to_gpu(b, dst[0])
@@ -469,6 +593,11 @@ class KVCacheManager:
             else:
                 self._unclaim(b)
         seq.reused_tokens = seq.num_computed = seq.num_tokens = reused
+
+    def _phase2_failed(self, seq: Sequence, what: str) -> None:
+        if self.spec.strict_phase2:
+            raise Phase2AllocationError(seq.request.id, what)
+        self.phase2_alloc_failures += 1
 
     def _drop_claims(self, seq: Sequence, keep: int) -> None:
         for b in seq.blocks[keep:]:
@@ -513,8 +642,9 @@ class KVCacheManager:
         block, and without `copy_on_partial_reuse` it would mean no reuse at all."""
         return self.ref_count[b] == 0 and b < self.gpu.capacity and not self.index.has_children(b)
 
-    def _partial_usable(self, b: BlockId) -> bool:
-        shared = self.ref_count[b] > 0 or self.index.has_children(b) or b >= self.gpu.capacity
+    def _partial_usable(self, b: BlockId, plan: dict | None = None) -> bool:
+        shared = (self.ref_count[b] > 0 or self.index.has_children(b) or b >= self.gpu.capacity
+                  or (plan is not None and b in plan))
         return not shared or self.spec.copy_on_partial_reuse
 
     def _complete_tail(self, b: BlockId, n: int) -> bool:
@@ -536,6 +666,7 @@ class KVCacheManager:
             src_tier = self._pool(b).tier
             self._unclaim(b)
             if new is None:
+                self._phase2_failed(seq, "a partial copy")
                 return 0
             dst = new[0]
             self.partial_copy_blocks += 1
@@ -575,56 +706,101 @@ class KVCacheManager:
         return out
 
     def _offload(self, victims: list[BlockId]) -> None:
-        """Move evicted GPU blocks' data to the host where allowed and possible, else drop it.
+        """Move evicted GPU blocks' data to the host where allowed and possible, else drop it,
+        exactly as offloading them one at a time in eviction order would: a victim below
+        `secondary_offload_min_priority` is dropped; any other takes an empty host block, else
+        the host's next victim (the LRU block of its lowest priority), whose data is dropped;
+        with every host block claimed it is dropped. When that next victim is a block an
+        earlier victim of the same call was just moved to, the earlier victim is dropped
+        instead and its copy (whose destination this one overwrites) is never made: the
+        counters count only data that moved and data that was dropped.
 
-        Equivalent to offloading the victims one by one in eviction order (each taking an empty
-        host block, else evicting the host's LRU block), done in bulk: when there are more
-        victims than host blocks to take, the earliest victims would be offloaded and then
-        evicted again by the later ones, so they are dropped at once and their copies (whose
-        destination the same allocation overwrites) are not emitted."""
+        In bulk while that cannot happen: host blocks at or below the lowest victim priority
+        leave before any victim placed behind them."""
         host, index, prio = self.host, self.index, self.priority
         min_prio = self.spec.secondary_offload_min_priority
-        low = [v for v in victims if prio[v] < min_prio]
-        if low:
-            index.remove_many(low)
+        drop = [v for v in victims if prio[v] < min_prio]
+        if drop:
             victims = [v for v in victims if prio[v] >= min_prio]
+        empty, fq = host.empty, host.free_queue
         n = len(victims)
-        self.offload_blocks += n
-        room = len(host.empty) + len(host.free_queue)  # claimed host blocks cannot be taken
-        if n > room:
-            index.remove_many(victims[:n - room])
-            self.host_evicted_blocks += n - room
-            victims = victims[n - room:]
-            n = room
-        k = min(n, len(host.empty))
-        slots = host.empty[len(host.empty) - k:]
-        slots.reverse()
-        del host.empty[len(host.empty) - k:]
+        k = min(n, len(empty))
+        dsts = empty[len(empty) - k:]
+        dsts.reverse()
+        del empty[len(empty) - k:]
+        evicted = 0
         if k < n:
-            old = host.free_queue.pop_front_many(n - k)
+            old = fq.pop_front_many(n - k, min(prio[v] for v in victims))
             index.remove_many(old)
-            self.host_evicted_blocks += len(old)
-            slots.extend(old)
-        if self.spec.emit_copy_ops:
-            num_tokens = index.num_tokens
-            for v, h in zip(victims, slots):
-                self.copy_ops.append(CopyOp(CopyKind.OFFLOAD, Tier.GPU, v, Tier.HOST, h,
-                                            num_tokens(v)))
-        index.move_many(victims, slots)
-        fq = host.free_queue
-        # In eviction order, one run per priority level (usually a single run).
-        run_start = 0
-        for i in range(1, n + 1):
-            if i == n or prio[victims[i]] != prio[victims[run_start]]:
-                level = prio[victims[run_start]]
-                run = slots[run_start:i]
+            evicted = len(old)
+            dsts.extend(old)
+        srcs = victims[:len(dsts)]
+        # Queue the bulk-placed victims in eviction order, one run per priority level.
+        run_start, m = 0, len(srcs)
+        for i in range(1, m + 1):
+            if i == m or prio[srcs[i]] != prio[srcs[run_start]]:
+                level = prio[srcs[run_start]]
+                run = dsts[run_start:i]
                 for h in run:
                     prio[h] = level
                 fq.push_back_many(run, level)
                 run_start = i
-        held = host.capacity - len(host.empty)
+        if m < n:
+            evicted += self._offload_one_by_one(victims[m:], srcs, dsts, drop)
+        if self._expiring:
+            expires, expiring = self.expires, self._expiring
+            for v, h in zip(srcs, dsts):
+                t = expires[h] = expires[v]
+                if t:
+                    heappush(expiring, (t, h))
+        if drop:
+            index.remove_many(drop)
+        if self.spec.emit_copy_ops:
+            num_tokens = index.num_tokens
+            for v, h in zip(srcs, dsts):
+                self.copy_ops.append(CopyOp(CopyKind.OFFLOAD, Tier.GPU, v, Tier.HOST, h,
+                                            num_tokens(v)))
+        index.move_many(srcs, dsts)
+        self.offload_blocks += len(srcs)
+        self.host_evicted_blocks += evicted
+        held = host.capacity - len(empty)
         if held > self.peak_host_blocks:
             self.peak_host_blocks = held
+
+    def _offload_one_by_one(self, victims: list[BlockId], srcs: list[BlockId],
+                            dsts: list[BlockId], drop: list[BlockId]) -> int:
+        """`_offload` for the victims the bulk part could not place: each evicts the host's
+        next victim (placed victims included). Appends the moves to `srcs`/`dsts` (a move a
+        later victim undoes leaves them, its victim joins `drop`); returns the host blocks
+        whose data was dropped."""
+        fq, index, prio = self.host.free_queue, self.index, self.priority
+        placed = {h: i for i, h in enumerate(dsts)}
+        undone = False
+        evicted = 0
+        for v in victims:
+            h = fq.front()
+            if h is None:  # every host block is claimed
+                drop.append(v)
+                continue
+            fq.remove(h)
+            j = placed.get(h)
+            if j is None:
+                index.remove(h)
+                evicted += 1
+            else:
+                drop.append(srcs[j])
+                srcs[j] = NO_BLOCK
+                undone = True
+            placed[h] = len(srcs)
+            srcs.append(v)
+            dsts.append(h)
+            p = prio[h] = prio[v]
+            fq.push_back(h, p)
+        if undone:
+            kept = [i for i, v in enumerate(srcs) if v != NO_BLOCK]
+            srcs[:] = [srcs[i] for i in kept]
+            dsts[:] = [dsts[i] for i in kept]
+        return evicted
 
     def _emit(self, kind: CopyKind, src_tier: Tier, src: BlockId, dst_tier: Tier, dst: BlockId,
               num_tokens: int) -> None:

@@ -42,11 +42,10 @@ What a request does here:
 Reference case (tested): 32 window layers, W = 128, tpb = 32, one 1024-token prompt. Without
 scratch the prefill holds all 32 blocks. With it, the query after the prompt (position 1024)
 reads positions 897..1024, so blocks 28..31 stay and blocks 0..27 go to
-ceil(28 / 32) = 1 scratch slot: 5 slots at peak. TensorRT-LLM's PR text says 27 + 5 slots
-(6) because it keeps `W + 1` tokens (positions 895..1023 for the last prompt query): one token
-wider than the window, which reaches back into block 27. kvbench counts the window as the
-attention kernel applies it (`window_left = W - 1`), so it holds one block less whenever `W`
-is a multiple of tpb.
+ceil(28 / 32) = 1 scratch slot: 5 slots at peak. TensorRT-LLM keeps the same W-token window:
+its `AttnLifeCycle.get_stale_range` makes blocks `[0, (history + 1 - W) // tpb)` stale, 28
+blocks here, so 1 + 4 = 5 slots, which its own tests assert; the "27 + 5 = 6" of PR #13368's
+text is an arithmetic slip, not a wider window.
 
 Page tables (`page_tables`) follow the data plane's layout: one tensor of `slots x layers`
 pages per pool, so block `b` of the pool's `i`-th layer is page `b * num_layers + i`; a scratch
@@ -245,10 +244,11 @@ class WindowedCacheManager:
 
     # --- adding a request -----------------------------------------------------------------
 
-    def match(self, request: Request) -> tuple[int, list[tuple[list[BlockId], tuple[BlockId, int]
-                                                                | None]]]:
+    def match(self, request: Request, plan: dict | None = None
+              ) -> tuple[int, list[tuple[list[BlockId], tuple[BlockId, int] | None]]]:
         """The reuse every life cycle can serve (the minimum over them, at an end each can
-        serve) and, per pool, the match that claims exactly it; claims nothing."""
+        serve) and, per pool, the match that claims exactly it; claims nothing. `plan[i]`
+        holds pool i's planned claims (`estimate_add`)."""
         n = len(self.managers)
         cap = request.input_length - 1
         if not self.managers[0].spec.enable_block_reuse or cap <= 0:
@@ -258,7 +258,8 @@ class WindowedCacheManager:
         matches: list = [None] * n
         agree = i = 0
         while agree < n:
-            end, matches[i] = self._best_end(i, request, cap)
+            end, matches[i] = self._best_end(i, request, cap,
+                                             plan.get(i) if plan is not None else None)
             agree = agree + 1 if end == cap else 1
             cap = end
             i = (i + 1) % n
@@ -417,21 +418,28 @@ class WindowedCacheManager:
         wseq.num_tokens = min(wseq.num_tokens, num_tokens)
         return freed
 
-    def estimate_add(self, request: Request) -> tuple[int, int, int]:
-        """As `KVCacheManager.estimate_add`: the common reuse, the positions it covers, and
-        the most free GPU blocks any pool's claims would take."""
-        reuse, matches = self.match(request)
-        draw = 0
-        for m, (full, partial) in zip(self.managers, matches):
-            g, ref = m.gpu.capacity, m.ref_count
-            n = sum(1 for b in full if b != NO_BLOCK and (b >= g or not ref[b]))
-            draw = max(draw, n + (partial is not None))
+    def estimate_add(self, request: Request, plan: dict | None = None) -> tuple[int, int, int]:
+        """As `KVCacheManager.estimate_add` (`plan`, an empty dict per step, makes a step's
+        estimates exact for their batched add): the common reuse, the positions it covers,
+        and the most free GPU blocks any pool's add would take."""
+        if plan is None:
+            plan = {}
+        for i in range(len(self.managers)):
+            plan.setdefault(i, {})
+        reuse, matches = self.match(request, plan)
+        draw = max(m.plan_claims(full, partial, plan[i])
+                   for i, (m, (full, partial)) in enumerate(zip(self.managers, matches)))
         positions = len(matches[0][0]) + (matches[0][1] is not None)
         return reuse, positions, draw
 
     def grow_blocks(self, request: Request, have: int, num_tokens: int) -> int:
         """As `KVCacheManager.grow_blocks` (block positions; one beam here)."""
         return max(0, -(-num_tokens // self.tpb) - have)
+
+    def refresh(self, now_s: float) -> None:
+        """`KVCacheManager.refresh` of every pool."""
+        for m in self.managers:
+            m.refresh(now_s)
 
     @property
     def gpu(self) -> _Pools:
@@ -495,6 +503,7 @@ class WindowedCacheManager:
     offload_blocks = property(lambda self: self.total("offload_blocks"))
     host_evicted_blocks = property(lambda self: self.total("host_evicted_blocks"))
     partial_copy_blocks = property(lambda self: self.total("partial_copy_blocks"))
+    phase2_alloc_failures = property(lambda self: self.total("phase2_alloc_failures"))
     peak_host_blocks = property(lambda self: self.total("peak_host_blocks"))
     """Sum of each pool's peak (an upper bound on the host blocks held at once)."""
 
@@ -539,12 +548,12 @@ class WindowedCacheManager:
 
     # --- helpers --------------------------------------------------------------------------
 
-    def _best_end(self, i: int, request: Request, cap: int
+    def _best_end(self, i: int, request: Request, cap: int, plan: dict | None = None
                   ) -> tuple[int, tuple[list[BlockId], tuple[BlockId, int] | None]]:
         """The longest reuse `<= cap` pool `i` can serve and the match that serves it."""
         m, c, tpb = self.managers[i], self.cycles[i], self.tpb
         if c.window is None:
-            full, partial = m.match_capped(request, cap)
+            full, partial = m.match_capped(request, cap, 0, plan)
             return len(full) * tpb + (partial[1] if partial else 0), (full, partial)
         # Right to left (vLLM): an end is served when the blocks its first query reads are
         # all stored. A missing block k rules out every end whose window covers it, so the
@@ -564,14 +573,14 @@ class WindowedCacheManager:
             room = min(cap - j * tpb, tpb - 1)  # tokens a partial match at block j may add
             n = 0
             if room > 0 and k < max(0, j * tpb + room - back) // tpb:
-                _, partial = m.match_capped(request, j * tpb + room, j)
+                _, partial = m.match_capped(request, j * tpb + room, j, plan)
                 if partial is not None and k < max(0, j * tpb + partial[1] - back) // tpb:
                     n = partial[1]
             if k < lowest or n:
                 break
             j = k
         end = j * tpb + n
-        full, partial = m.match_capped(request, end, c.first_needed(end, tpb))
+        full, partial = m.match_capped(request, end, c.first_needed(end, tpb), plan)
         if len(full) != j:  # the blocks were just found, so only a bug can lose them
             raise AssertionError("window match lost its blocks")
         return end, (full, partial)

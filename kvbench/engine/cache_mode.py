@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..cache.manager import KVCacheManager, Sequence as CacheSequence
+from ..cache.manager import KVCacheManager, Phase2AllocationError, Sequence as CacheSequence
 from ..cache.windows import WindowedCacheManager, WindowedSequence
 from ..kernels.step import StepItem, beam_items
 from ..traffic.request import Request
@@ -56,7 +56,11 @@ def replay_cache_mode(
     prompt = reused = host = full = partial = partial_blocks = 0
     tally = CrossTally()
     for i, r in enumerate(requests):
-        seq = manager.add_sequence(r)
+        manager.refresh(r.arrival_s)
+        try:
+            seq = manager.add_sequence(r)
+        except Phase2AllocationError as exc:
+            raise Phase2AllocationError(exc.request_id, exc.what, i) from None
         if not manager.resize(seq, r.input_length):
             raise ValueError(f"request {r.id} does not fit in the cache")
         enc = r.encoder if cross is not None else None

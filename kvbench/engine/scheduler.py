@@ -15,7 +15,10 @@ always fit: `max_batch_size <= max_num_tokens` is checked up front):
   when a running request later cannot get a block, the loop preempts the newest one.
 - **Reuse estimate before allocation.** A waiting request is costed with the reuse the prefix
   index shows now (`KVCacheManager.estimate_add`), in tokens against the budget and in blocks
-  against the free pool. The cache adds and allocates later; if the actual reuse falls short, a
+  against the free pool, after the claims of the requests admitted before it in the step: for
+  the two-phase batched add the estimate is exact (partial copies and their sources, blocks
+  several requests claim), so its steps compute what was budgeted. The sequential add onboards
+  one request before matching the next, which can evict a block another was counted on; then a
   last chunk computes more than it was budgeted (the MNT overflow the loop counts).
 - **Delay batching** (`defer`), as TensorRT-LLM's `_waiting_requests`: only when a step has
   both context and generation requests, context requests are deferred while fewer than
@@ -166,9 +169,11 @@ class Scheduler:
             budget -= chunk
             slots -= 1
             plan.append(ContextWork(r, False, start, chunk, last))
+        claims: dict = {}  # the step's planned claims, so the estimates hold for the batched add
+        cross_claims: dict = {}
         while waiting and slots > 0 and budget > 0 and num_active < self.max_batch_size:
             r = waiting[0][1]
-            reused, blocks, draw = cache.estimate_add(r.view)
+            reused, blocks, draw = cache.estimate_add(r.view, claims)
             chunk, last = self._chunk(r.context_len - reused, budget)
             if not chunk:
                 break
@@ -177,7 +182,7 @@ class Scheduler:
                 break
             enc = r.request.encoder if cross is not None else None
             if enc is not None:
-                _, enc_blocks, enc_draw = cross.estimate_add(enc)
+                _, enc_blocks, enc_draw = cross.estimate_add(enc, cross_claims)
                 enc_need = enc_draw + cross.grow_blocks(enc, enc_blocks, enc.input_length)
                 if enc_need > cross_free:
                     break

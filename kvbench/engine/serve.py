@@ -36,7 +36,7 @@ from heapq import heappop, heappush
 
 import numpy as np
 
-from ..cache.manager import KVCacheManager
+from ..cache.manager import KVCacheManager, Phase2AllocationError
 from ..cache.windows import WindowedCacheManager
 from ..kernels.step import StepItem, beam_items, beam_tokens
 from ..traffic.request import Request
@@ -109,10 +109,11 @@ class ServeResult:
     reuse_shortfall_tokens: int
     """Estimated minus actual reuse, summed over the adds that computed in their step."""
     deferred_ctx_blocks_held_peak: int
-    """Most blocks deferred context requests held at once for work delay batching postponed
-    (claimed reused blocks and the chunk's allocation; 0 with revert_deferred_ctx)."""
+    """Most blocks deferred context requests held at once for the chunks delay batching
+    postponed (not the blocks they reuse; 0 with revert_deferred_ctx)."""
     deferred_ctx_blocks_reverted: int
-    """Blocks deferred context requests returned at once (revert_deferred_ctx), per deferral."""
+    """Blocks deferred context requests gave back, per deferral: the step's new blocks, at
+    once with revert_deferred_ctx, else when a decoder needs them before anyone is preempted."""
     batch_wait_iterations: int
     """Steps in which delay batching deferred context requests."""
     ctx_alloc_failures: int
@@ -250,6 +251,7 @@ class ServeLoop:
         """Run one step; True when it was pure decode and changed nothing the scheduler looks
         at, so the steps up to the next event or arrival would repeat it."""
         step = self.step
+        self.manager.refresh(self.now)
         preempted: list[int] = []
         spec = self.spec
         if spec is None:
@@ -267,7 +269,10 @@ class ServeLoop:
                 raise RuntimeError("serve loop stalled with nothing running")
             self._preempt(self._newest())
             return False
-        work = self._place(plan)
+        try:
+            work = self._place(plan)
+        except Phase2AllocationError as exc:
+            raise Phase2AllocationError(exc.request_id, exc.what, step) from None
         scheduled = gen_tokens + sum(w.chunk for w in work)
         deferred: tuple[int, ...] = ()
         if work and self.scheduler.defer(scheduled, len(work), num_gen):
@@ -424,6 +429,8 @@ class ServeLoop:
                 mgr.resize(seq, pos)  # the blocks hold pos tokens already: bookkeeping only
                 mgr.commit(seq, pos)
                 while not mgr.resize(seq, pos + 1):
+                    if self._revert_held():
+                        continue
                     victim = self._newest()
                     self._preempt(victim)
                     preempted.append(victim.request.id)
@@ -505,7 +512,7 @@ class ServeLoop:
                         r.cross_seq = cross.add_sequence(r.request.encoder)
                 seq = r.seq
                 r.phase = Phase.PREFILL
-                r.pre_tokens = 0
+                r.pre_tokens = seq.num_tokens  # its reuse: what a revert keeps
                 self.prefilling.append(r)
                 w.start = seq.reused_tokens
                 w.end = r.context_len if w.last else min(r.context_len, w.start + w.chunk)
@@ -533,7 +540,10 @@ class ServeLoop:
         return placed
 
     def _hold_or_revert(self, work: list[ContextWork]) -> None:
-        """Deferred context requests: return their blocks for the step, or keep them held."""
+        """Deferred context requests: return the blocks allocated for their step's chunk, or
+        keep them held. A new request keeps what it reuses either way (TensorRT-LLM #13805
+        resizes it back to the capacity it had before the step's allocation and suspends it):
+        it stays a prefilling request, whose next chunk starts after its reuse."""
         mgr = self.manager
         if not self.revert:
             held = sum(w.req.seq.num_blocks - mgr.grow_blocks(w.req.view, 0, w.req.pre_tokens)
@@ -541,13 +551,21 @@ class ServeLoop:
             self.deferred_ctx_blocks_held_peak = max(self.deferred_ctx_blocks_held_peak, held)
             return
         for w in work:
-            r = w.req
-            if w.new:
-                self.deferred_ctx_blocks_reverted += r.seq.num_blocks
-                self._unplace(r)
-            else:
-                self.deferred_ctx_blocks_reverted += mgr.shrink(r.seq, r.pre_tokens)
-                r.pre_tokens = -1
+            self._revert(w.req)
+
+    def _revert(self, r: ServeRequest) -> None:
+        """Give back what `r` was allocated for its pending chunk (shrink to `pre_tokens`)."""
+        self.deferred_ctx_blocks_reverted += self.manager.shrink(r.seq, r.pre_tokens)
+        r.pre_tokens = -1
+
+    def _revert_held(self) -> bool:
+        """Before a decoder preempts anyone for a block: revert the newest held deferral (a
+        prefilling request still holding its deferred chunk's blocks); False if none."""
+        for r in reversed(self.prefilling):
+            if r.pre_tokens >= 0:
+                self._revert(r)
+                return True
+        return False
 
     def _finish_context(self, work: list[ContextWork]) -> list[int]:
         """Commit computed chunks; a finished context phase yields a token. Returns the ids of

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..cache.ids import Retention
+
 # Trace keys pack (hash id, prefix end) into one int; 2**24 tokens is far above any context length.
 _END_BITS = 24
 # Derived generated tokens pack (request id, offset) the same way, negated: prompt tokens are >= 0.
@@ -61,6 +63,9 @@ class Request:
     trace_block_tokens: int = 512
     namespace: str | int | None = None
     priority: int = 35
+    """Retention priority of the request's blocks where `retention` does not set one."""
+    retention: Retention | None = None
+    """Per token range and decode priorities (TensorRT-LLM's KvCacheRetentionConfig)."""
     output_tokens: np.ndarray | None = None
     """Tokens the request will generate when the traffic knows them (a synthetic session's next
     turn carries this answer, so decode blocks become reusable); None = unknown (traces)."""
@@ -75,6 +80,8 @@ class Request:
     _firsts: dict[int, list[int]] = field(default_factory=dict, repr=False)
     _stream_keys: dict[int, list[int]] = field(default_factory=dict, repr=False)
     _stream_firsts: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _retentions: dict[int, list[tuple[int, float | None]]] = field(default_factory=dict,
+                                                                  repr=False)
 
     def __post_init__(self) -> None:
         if (self.tokens is None) == (self.hash_ids is None):
@@ -94,6 +101,15 @@ class Request:
             keys = self._compute_keys(tokens_per_block)
             self._keys[tokens_per_block] = keys
         return keys
+
+    def block_retentions(self, tokens_per_block: int) -> list[tuple[int, float | None]]:
+        """(priority, duration_ms) of each prompt block under `retention` (which must be set),
+        cached per block size; later (generated) blocks take the decode retention."""
+        out = self._retentions.get(tokens_per_block)
+        if out is None:
+            out = self.retention.prompt_blocks(tokens_per_block, self.input_length, self.priority)
+            self._retentions[tokens_per_block] = out
+        return out
 
     def first_tokens(self, tokens_per_block: int) -> list[int]:
         """The first token of every prompt block (the last may be partial), cached per block
@@ -216,7 +232,8 @@ class StreamView:
     of a `Request`. Keys, first tokens and tokens cover the whole stream, so a sequence that
     keeps growing past `input_length` by decoding stores its generated blocks under this view."""
 
-    __slots__ = ("request", "id", "input_length", "root_key", "priority", "beam_width")
+    __slots__ = ("request", "id", "input_length", "root_key", "priority", "beam_width",
+                 "retention")
 
     def __init__(self, request: Request, input_length: int) -> None:
         if not 0 < input_length <= request.stream_length:
@@ -227,6 +244,12 @@ class StreamView:
         self.root_key = request.root_key
         self.priority = request.priority
         self.beam_width = request.beam_width
+        self.retention = request.retention
+
+    def block_retentions(self, tokens_per_block: int) -> list[tuple[int, float | None]]:
+        """The request's: its prompt's blocks take the ranges, the rest the decode retention
+        (also after a preemption, when this view's prompt holds generated tokens)."""
+        return self.request.block_retentions(tokens_per_block)
 
     def block_keys(self, tokens_per_block: int) -> list[int]:
         return self.request.stream_keys(tokens_per_block)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbench.cache.ids import CopyKind, Retention, TokenRangeRetention
-from kvbench.cache.manager import CacheSpec, KVCacheManager, Phase2AllocationError
+from kvbench.cache.manager import AddPlan, CacheSpec, KVCacheManager, Phase2AllocationError
 from kvbench.cache.windows import WindowedCacheManager, life_cycles
 from kvbench.config import ModelConfig, SchedulerConfig
 from kvbench.engine.clock import PRESETS, StepClock
@@ -68,7 +68,7 @@ def test_reverted_deferral_keeps_the_reused_blocks():
     # Before: R was released each time (3 blocks: 2 reused, 1 new, per deferral = 12), its
     # deepest reused block was evicted for D, and R ended with 4 of its 8 tokens.
     assert result.batch_wait_iterations == 4 and result.preemptions == 0
-    assert result.requests[3].reused == 8
+    assert result.requests[3].reused_tokens == 8
     assert result.deferred_ctx_blocks_reverted == 4  # the step's one new block, 4 times
     assert len(held) == 4 and all(h == held[0] and len(h) == 2 for h in held)
 
@@ -78,7 +78,7 @@ def test_held_deferral_keeps_its_reuse():
     # Before: D's block preempted R, whose released reused block D then evicted (8 -> 4).
     # Now R gives back its chunk's block first, keeping what it reuses.
     assert result.batch_wait_iterations == 4 and result.preemptions == 0
-    assert result.requests[3].reused == 8
+    assert result.requests[3].reused_tokens == 8
     assert result.deferred_ctx_blocks_reverted == 1
     assert result.deferred_ctx_blocks_held_peak == 1  # the chunk's block, not the reuse
 
@@ -97,8 +97,10 @@ def test_partial_copy_from_a_free_block_counts_its_source():
     mgr = KVCacheManager(CacheSpec(4, 4))
     replay(mgr, req([1, 2, 3, 4, 5, 6, 7, 8, 9]))  # block 0 has a child: a match must copy it
     q = req([1, 2, 20])
-    # Block 0 leaves the free queue when claimed and the copy takes another (was 1).
-    assert mgr.estimate_add(q) == (2, 1, 2)
+    # The copy keeps one block, and block 0 is out of the free pool while it is made: the
+    # add needs 2 (it was budgeted 1, and in a pool of 1 the copy failed).
+    plan = AddPlan()
+    assert mgr.estimate_add(q, plan) == (2, 1, 1) and plan.transient == 1
     seq = mgr.add_sequences([q])[0]
     assert seq.reused_tokens == 2 and seq.partial_copied and mgr.partial_copy_blocks == 1
 
@@ -107,7 +109,7 @@ def test_requests_sharing_a_partial_block_without_copy():
     mgr = KVCacheManager(CacheSpec(4, 8, copy_on_partial_reuse=False))
     replay(mgr, req([1, 2, 3]))  # a partial block [1, 2, 3]
     a, b = req([1, 2, 5]), req([1, 2, 6])
-    plan = {}
+    plan = AddPlan()
     # Only the first can take the block in place; the second is budgeted with no reuse (it
     # was budgeted with 2 tokens, and computed 7 against an MNT of 4 in the review's case).
     assert mgr.estimate_add(a, plan)[0] == 2
@@ -120,7 +122,7 @@ def test_a_later_full_claim_forces_the_earlier_partial_take_to_copy():
     mgr = KVCacheManager(CacheSpec(4, 8, copy_on_partial_reuse=False))
     replay(mgr, req([1, 2, 3, 4]))  # one full block, no children
     a, b = req([1, 2, 7]), req([1, 2, 3, 4, 5])
-    plan = {}
+    plan = AddPlan()
     assert mgr.estimate_add(a, plan) == (2, 1, 1)  # takes block 0 in place
     assert mgr.estimate_add(b, plan) == (4, 1, 1)  # claims it in full: a must copy
     before = mgr.gpu.num_free
@@ -154,11 +156,13 @@ def test_batch_estimates_are_exact(data, tpb, host, partial, copy):
     fewer free blocks than the estimates leave: a pool with just that many free blocks would
     have served it (so phase 2 never fails where the scheduler admitted)."""
     mgr, _, batch = _history_and_batch(data, tpb, host, partial, copy)
-    plan = {}
-    estimates = [mgr.estimate_add(r, plan) for r in batch]
+    plan = AddPlan()
+    estimates, need = [], 0
+    for r in batch:
+        est = mgr.estimate_add(r, plan)
+        estimates.append(est)
+        need += est[2] + max(plan.transient, -(-r.input_length // tpb) - est[1])
     free = mgr.gpu.num_free
-    need = sum(draw + -(-r.input_length // tpb) - blocks
-               for r, (_, blocks, draw) in zip(batch, estimates))
     mgr.low = free
     seqs = mgr.add_sequences(batch)
     for s in seqs:

@@ -87,10 +87,25 @@ class Phase2AllocationError(RuntimeError):
         self.what = what
 
 
-_CLAIMED, _TAKEN, _ONBOARDED = 1, 2, 3
-"""`estimate_add` plan states of a block: claimed by a planned request (a full match, or the
-source of a partial copy); taken in place by one for a partial match; a host block a planned
-request onboards."""
+_CLAIMED, _TAKEN, _ONBOARDED, _COPY_SOURCE = 1, 2, 3, 4
+"""`AddPlan` states of a block: claimed by a planned request and kept; taken in place by one
+for a partial match; a host block a planned request onboards; a free GPU block planned
+requests only copy a partial match from (claimed in phase 1, free again after phase 2)."""
+
+
+class AddPlan(dict):
+    """The claims a step's batched add will make, block -> state, built by `estimate_add` as
+    the step's new requests are estimated in order (one per step; a windowed manager keeps
+    one per pool under the pool's index)."""
+
+    __slots__ = ("transient",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transient = 0
+        """1 when the last estimated add copies a partial match out of a free GPU block: that
+        block is out of the free pool while its copy is allocated, so the add needs one block
+        more than it keeps until its phase 2 ends (before the step's chunks are allocated)."""
 
 NO_BLOCK = BlockId(-1)
 """Placeholder in `Sequence.blocks` for a position that holds no block of this life cycle: a
@@ -327,14 +342,15 @@ class KVCacheManager:
         seq.holes = False
         seq.blocks = []
 
-    def estimate_add(self, request: Request, plan: dict | None = None) -> tuple[int, int, int]:
+    def estimate_add(self, request: Request, plan: AddPlan | None = None
+                     ) -> tuple[int, int, int]:
         """What adding `request` now would take, without claiming anything (a scheduler's
         budget before allocation): tokens reused, the sequence's leading blocks those occupy,
-        and the most free GPU blocks the add takes (matched blocks leaving the free queue,
-        onboards of host hits, a partial match's block, or its copy with the source still
-        claimed while it is copied).
+        and the free GPU blocks the add keeps (matched blocks leaving the free queue, onboards
+        of host hits, the partial match's block or its copy). A copy out of a free GPU block
+        needs that block too until phase 2 ends: `plan.transient`.
 
-        `plan` (an empty dict per step) makes the estimates of a step's new requests exact for
+        `plan` (one `AddPlan` per step) makes the estimates of a step's new requests exact for
         the batched add of all of them, when they are estimated in the order `add_sequences`
         gets them: each match sees the claims of the requests estimated before it, as phase 1
         does; a block several of them claim is drawn once; and a block an earlier one would
@@ -342,47 +358,59 @@ class KVCacheManager:
         the later one that copy. The request's claims are entered in `plan`, so estimate only
         requests the batch adds, in order (a scheduler stops at the first that does not fit)."""
         if plan is None:
-            plan = {}
+            plan = AddPlan()
         full, partial = self.match_capped(request, request.input_length, 0, plan)
         reused = len(full) * self.tpb + (partial[1] if partial is not None else 0)
         return reused, len(full) + (partial is not None), self.plan_claims(full, partial, plan)
 
     def plan_claims(self, full: list[BlockId], partial: tuple[BlockId, int] | None,
-                    plan: dict) -> int:
-        """The free GPU blocks a batched add of the match `(full, partial)` takes after the
-        claims already in `plan` (see `estimate_add`), which it then joins."""
+                    plan: AddPlan) -> int:
+        """The free GPU blocks a batched add of the match `(full, partial)` keeps after the
+        claims already in `plan` (see `estimate_add`), which it then joins; sets
+        `plan.transient`."""
         g, ref = self.gpu.capacity, self.ref_count
+        plan.transient = 0
         draw = 0
         for b in full:
-            if b == NO_BLOCK:
-                continue
-            state = plan.get(b)
-            if b >= g:
-                if state != _ONBOARDED:
-                    draw += 1
-                plan[b] = _ONBOARDED
-                continue
-            if state is None:
-                draw += not ref[b]
-            elif state == _TAKEN:
-                draw += 1
+            if b != NO_BLOCK:
+                draw += self._plan_keep(b, plan, g, ref)
+        if partial is None:
+            return draw
+        b, n = partial
+        state = plan.get(b)
+        if self._complete_tail(b, n):  # shared as it is, like a full block
+            return draw + self._plan_keep(b, plan, g, ref)
+        draw += 1  # the block itself, or its copy
+        if b >= g:
+            plan[b] = state or _CLAIMED
+        elif state is None and not ref[b] and not self.index.has_children(b):
+            plan[b] = _TAKEN
+        elif state == _TAKEN:
+            # The earlier request must copy too; the block may come back after both copies,
+            # which this conservatively ignores.
+            draw += 1
             plan[b] = _CLAIMED
-        if partial is not None:
-            b, n = partial
-            state = plan.get(b)
-            if self._complete_tail(b, n):  # shared as it is, like a full block
-                draw += (state is None and not ref[b]) or state == _TAKEN
-                plan[b] = _CLAIMED
-                return draw
-            draw += 1  # the block itself, or its copy
-            if b >= g:
-                plan[b] = state or _CLAIMED
-            elif state is None and not ref[b] and not self.index.has_children(b):
-                plan[b] = _TAKEN
-            else:
-                draw += (state is None and not ref[b]) or state == _TAKEN
-                plan[b] = _CLAIMED
+        elif (state is None and not ref[b]) or state == _COPY_SOURCE:
+            plan[b] = _COPY_SOURCE
+            plan.transient = 1
+        elif state is None:
+            plan[b] = _CLAIMED  # held by a running sequence
         return draw
+
+    @staticmethod
+    def _plan_keep(b: BlockId, plan: AddPlan, g: int, ref: list[int]) -> int:
+        """Plan a claim that keeps `b` (a full match, a complete cross-attention tail): the
+        free GPU blocks that costs after the plan's earlier claims."""
+        state = plan.get(b)
+        if b >= g:
+            plan[b] = _ONBOARDED
+            return state != _ONBOARDED
+        plan[b] = _CLAIMED
+        if state is None:
+            return not ref[b]
+        # Taken in place by an earlier request, which must now copy it; or a copy source that
+        # now stays claimed.
+        return state == _TAKEN or state == _COPY_SOURCE
 
     def shrink(self, seq: Sequence, num_tokens: int) -> int:
         """Undo `resize` down to `num_tokens` tokens before anything past them is computed

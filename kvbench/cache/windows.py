@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .ids import BlockId
-from .manager import NO_BLOCK, CacheSpec, KVCacheManager, Sequence
+from .manager import NO_BLOCK, AddPlan, CacheSpec, KVCacheManager, Sequence
 
 if TYPE_CHECKING:
     from ..traffic.request import Request
@@ -418,17 +418,21 @@ class WindowedCacheManager:
         wseq.num_tokens = min(wseq.num_tokens, num_tokens)
         return freed
 
-    def estimate_add(self, request: Request, plan: dict | None = None) -> tuple[int, int, int]:
-        """As `KVCacheManager.estimate_add` (`plan`, an empty dict per step, makes a step's
-        estimates exact for their batched add): the common reuse, the positions it covers,
-        and the most free GPU blocks any pool's add would take."""
+    def estimate_add(self, request: Request, plan: AddPlan | None = None
+                     ) -> tuple[int, int, int]:
+        """As `KVCacheManager.estimate_add` (`plan`, one `AddPlan` per step, holds each pool's
+        under its index and makes a step's estimates exact for their batched add): the common
+        reuse, the positions it covers, and the most free GPU blocks any pool's add keeps;
+        `plan.transient` is the most any pool's needs besides until phase 2 ends."""
         if plan is None:
-            plan = {}
+            plan = AddPlan()
         for i in range(len(self.managers)):
-            plan.setdefault(i, {})
+            if i not in plan:
+                plan[i] = AddPlan()
         reuse, matches = self.match(request, plan)
         draw = max(m.plan_claims(full, partial, plan[i])
                    for i, (m, (full, partial)) in enumerate(zip(self.managers, matches)))
+        plan.transient = max(plan[i].transient for i in range(len(self.managers)))
         positions = len(matches[0][0]) + (matches[0][1] is not None)
         return reuse, positions, draw
 

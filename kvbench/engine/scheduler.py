@@ -37,6 +37,8 @@ from enum import IntEnum
 from heapq import heappop
 from typing import TYPE_CHECKING
 
+from ..cache.manager import AddPlan
+
 if TYPE_CHECKING:
     from ..cache.manager import KVCacheManager, Sequence
     from ..config import SchedulerConfig
@@ -169,21 +171,23 @@ class Scheduler:
             budget -= chunk
             slots -= 1
             plan.append(ContextWork(r, False, start, chunk, last))
-        claims: dict = {}  # the step's planned claims, so the estimates hold for the batched add
-        cross_claims: dict = {}
+        # The step's planned claims, so the estimates hold for the batched add of them all.
+        claims, cross_claims = AddPlan(), AddPlan()
         while waiting and slots > 0 and budget > 0 and num_active < self.max_batch_size:
             r = waiting[0][1]
             reused, blocks, draw = cache.estimate_add(r.view, claims)
             chunk, last = self._chunk(r.context_len - reused, budget)
             if not chunk:
                 break
-            need = draw + cache.grow_blocks(r.view, blocks, reused + chunk + self.reserve_tokens)
+            need = draw + max(claims.transient, cache.grow_blocks(
+                r.view, blocks, reused + chunk + self.reserve_tokens))
             if need > free:
                 break
             enc = r.request.encoder if cross is not None else None
             if enc is not None:
                 _, enc_blocks, enc_draw = cross.estimate_add(enc, cross_claims)
-                enc_need = enc_draw + cross.grow_blocks(enc, enc_blocks, enc.input_length)
+                enc_need = enc_draw + max(cross_claims.transient,
+                                          cross.grow_blocks(enc, enc_blocks, enc.input_length))
                 if enc_need > cross_free:
                     break
                 cross_free -= enc_need

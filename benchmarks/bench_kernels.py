@@ -78,9 +78,9 @@ def bench_decode(ctx: int, tpb: int, kv_tokens: int, hbm_peak: float) -> dict:
                       ctx - 1, ctx) for i in range(batch_size)]
     batch = PagedBatch(items, pool, tpb, DEV, decode=True)
     backend = FlashInferBackend(shape, DEV)
-    backend.plan(batch)
-    q = torch.randn(batch_size, 32, 128, dtype=torch.bfloat16, device=DEV)
-    ms = cuda_ms(lambda: backend.run(pool.gpu, batch, 0, q), 20)
+    plan = backend.plan(0, batch)
+    q = torch.randn(1, batch_size, 32, 128, dtype=torch.bfloat16, device=DEV)
+    ms = cuda_ms(lambda: backend.run(pool.gpu, batch, q, plan), 20)
     kv_bytes = batch_size * ctx * 2 * 8 * 128 * 2
     gbps = kv_bytes / ms / 1e6
     return {"context": ctx, "tokens_per_block": tpb, "batch": batch_size, "ms": ms,

@@ -209,6 +209,44 @@ def report(
         err.print(f"wrote {len(written)} files; open {target / 'index.html'}")
 
 
+@app.command()
+def calibrate(
+    workload: Annotated[Path, typer.Argument(
+        help="Workload YAML whose model shape (model:, cache.tokens_per_block, "
+             "scheduler.max_batch_size) to measure; --set model.* measures another.")],
+    out_path: Annotated[Optional[Path], typer.Option(
+        "--out", help="Profile YAML to write (default: profiles/<gpu>-<workload>.yaml).",
+    )] = None,
+    set_: SetOption = None,
+    quiet: QuietOption = False,
+) -> None:
+    """Measure this CUDA GPU for a model shape and write a hardware profile (hardware.profile)."""
+    from .config import load_workload
+    from .results import write_text_atomic
+
+    wl = load_workload(workload, set_ or ())
+    import torch
+
+    if not torch.cuda.is_available():
+        raise InputError("kvbench calibrate needs a CUDA GPU and torch sees none; a profile "
+                         "measured elsewhere works here through hardware.profile")
+    from .calibrate import calibrate as measure
+    from .kernels.flashinfer_backend import flashinfer_problem
+
+    problem = flashinfer_problem(wl.model.dtype)
+    if problem:
+        raise InputError(f"kvbench calibrate: {problem}")
+    log = (lambda line: None) if quiet else (lambda line: err.print(line, highlight=False))
+    profile = measure(wl.model, wl.cache.tokens_per_block, wl.scheduler.max_batch_size,
+                      seed=wl.run.seed, log=log)
+    if out_path is None:
+        gpu = "".join(c if c.isalnum() else "-" for c in profile.device.lower()).strip("-")
+        out_path = Path("profiles") / f"{gpu}-{wl.name}.yaml"
+    write_text_atomic(out_path, profile.to_yaml())
+    if not quiet:
+        err.print(f"wrote {out_path}")
+
+
 FormatOption = Annotated[str, typer.Option(
     "--format", help="Trace format (requests.format): auto, mooncake, bailian, servegen, weka, "
     "token_ids, lengths_csv.")]

@@ -165,6 +165,11 @@ class HardwareConfig(_Section):
     step_overhead_ms: float | None = Field(
         None, ge=0, description="Override: fixed overhead per step in ms."
     )
+    profile: str | None = Field(
+        None, min_length=1,
+        description="Hardware profile YAML from `kvbench calibrate` (relative to the workload"
+        " file): the modeled clock interpolates its measured tables instead of the preset.",
+    )
 
 
 class CacheConfig(_Section):
@@ -499,6 +504,11 @@ class RunConfig(_Section):
     seed: int = Field(0, description="Random seed.")
     verify: Literal["all", "sample", "off"] = Field(
         "all", description="Which attention outputs the verifier checks."
+    )
+    clock: Literal["modeled", "measured"] = Field(
+        "modeled",
+        description="Serve-mode step times: modeled (preset or hardware.profile) or measured"
+        " (CUDA: the GPU time of the engine's work per step, FlashInfer data plane).",
     )
     progress: bool = Field(True, description="Show a progress bar.")
 

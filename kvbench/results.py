@@ -176,6 +176,11 @@ def run_workload(result: dict, run: dict) -> str:
 
 
 def write_json_atomic(path: str | Path, data: dict) -> None:
+    """Write JSON atomically (`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
     """Write via a temporary file in the same folder and rename, so a reader (or a crash)
     never sees half a file."""
     path = Path(path)
@@ -183,8 +188,7 @@ def write_json_atomic(path: str | Path, data: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, allow_nan=False)
-            f.write("\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -11,7 +11,8 @@ from .cache.windows import (LifeCycle, WindowedCacheManager, life_cycles,
                             prefill_blocks_bound, split_gpu_blocks)
 from .config import Workload, resolve_path
 from .engine.cache_mode import replay_cache_mode
-from .engine.clock import HOST_LINK_EFFICIENCY, StepClock, hardware_from_config
+from .engine.clock import (HOST_LINK_EFFICIENCY, MeasuredClock, ProfileClock, StepClock,
+                           hardware_from_config)
 from .engine.scheduler import Scheduler
 from .engine.serve import SERVE_COUNTERS, run_serve
 from .engine.speculative import Speculation
@@ -154,9 +155,18 @@ def _check_supported(wl: Workload) -> None:
             unsupported.append("encoder inputs with sliding-window layers")
         if sp.enabled:
             unsupported.append("encoder inputs with speculative decoding")
+    if wl.run.clock == "measured":
+        # The measured step is the target model's work on the data plane alone.
+        if sp.enabled:
+            unsupported.append("run.clock: measured with speculative decoding")
+        if wl.requests.encoder.tokens:
+            unsupported.append("run.clock: measured with encoder inputs")
     if unsupported:
         raise InputError(
             f"{_where(wl)}: not supported by this kvbench build: {', '.join(unsupported)}")
+    if wl.run.clock == "measured" and wl.run.mode != "serve":
+        raise InputError(f"{_where(wl)}: run.clock: measured times serve-mode steps; "
+                         "set run.mode: serve (cache mode has no clock)")
 
 
 def _windowed(wl: Workload) -> bool:
@@ -165,28 +175,103 @@ def _windowed(wl: Workload) -> bool:
 
 
 def _open_data_plane(wl: Workload, spec: CacheSpec,
-                     windowed: WindowedCacheManager | None = None, model=None):
+                     windowed: WindowedCacheManager | None = None, model=None, *,
+                     backend: str | None = None, engine=None):
     """The data plane for `run.backend` (None for `none`); torch is imported only here.
     With a `windowed` manager, one tensor per life cycle's pool; `model` is another model's
     shape (the draft's) instead of the workload's."""
     model = wl.model if model is None else model
-    if wl.run.backend == "none":
+    backend = backend or wl.run.backend
+    if backend == "none":
         return None
     from .kernels.dataplane import open_data_plane
-    from .kernels.step import BackendUnavailable, PoolSpec
+    from .kernels.step import BackendUnavailable
 
-    if windowed is None:
-        pools = [PoolSpec(tuple(range(model.num_layers)), spec.num_gpu_blocks,
-                          num_host_slots=spec.num_host_blocks)]
-    else:
-        pools = [PoolSpec(c.layers, m.gpu.capacity, window=c.window,
-                          num_host_slots=m.host.capacity if m.host is not None else 0)
-                 for c, m in zip(windowed.cycles, windowed.managers)]
     try:
-        return open_data_plane(model, spec.tokens_per_block, pools, backend=wl.run.backend,
-                               verify=wl.run.verify, seed=wl.run.seed)
+        # A measured clock reads each step's time at once; otherwise the host runs ahead.
+        return open_data_plane(model, spec.tokens_per_block,
+                               _pool_specs(model, spec, windowed), backend=backend,
+                               verify=wl.run.verify, seed=wl.run.seed, engine=engine,
+                               lazy_times=engine is None)
     except BackendUnavailable as exc:
         raise InputError(f"{_where(wl)}: run.backend: {exc}") from None
+
+
+def _pool_specs(model, spec: CacheSpec, windowed: WindowedCacheManager | None) -> list:
+    from .kernels.step import PoolSpec
+
+    if windowed is None:
+        return [PoolSpec(tuple(range(model.num_layers)), spec.num_gpu_blocks,
+                         num_host_slots=spec.num_host_blocks)]
+    return [PoolSpec(c.layers, m.gpu.capacity, window=c.window,
+                     num_host_slots=m.host.capacity if m.host is not None else 0)
+            for c, m in zip(windowed.cycles, windowed.managers)]
+
+
+MEASURED_OVERHEAD_BYTES = 2 << 30
+"""GPU memory a measured run needs beside weights, KV cache and step buffers: the CUDA
+context, cuBLAS and FlashInfer workspaces, captured graphs' pools."""
+
+
+def _open_measured_plane(wl: Workload, spec: CacheSpec,
+                         windowed: WindowedCacheManager | None):
+    """The FlashInfer data plane with the engine's linear layers, for `run.clock: measured`;
+    refuses (InputError, before allocating anything) when CUDA, FlashInfer or the memory for
+    weights and cache is missing."""
+    where = _where(wl)
+    if wl.run.backend == "torch":
+        raise InputError(f"{where}: run.clock: measured times FlashInfer attention; set "
+                         "run.backend to flashinfer or auto (got torch)")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise InputError(f"{where}: run.clock: measured needs a CUDA GPU and torch sees none; "
+                         "use run.clock: modeled (with hardware.profile for a calibrated card)")
+    from .kernels.engine import LinearShape, LinearWork
+    from .kernels.step import ModelShape
+    from .kernels.storage import pool_bytes
+    from .profile import model_shape
+
+    m = wl.model
+    dims = model_shape(m, spec.tokens_per_block)
+    shape = LinearShape(m.num_layers, dims["hidden_size"], m.num_q_heads * m.head_dim,
+                        m.num_kv_heads * m.head_dim, dims["intermediate_size"])
+    kv_shape = ModelShape.of(m, spec.tokens_per_block)
+    cache = sum(pool_bytes(kv_shape, p) for p in _pool_specs(m, spec, windowed))
+    mnt = wl.scheduler.max_num_tokens
+    step = shape.activation_bytes(mnt) + 2 * m.num_layers * mnt * (
+        2 * shape.kv + shape.q)
+    need = shape.weight_bytes + cache + step + MEASURED_OVERHEAD_BYTES
+    free, _ = torch.cuda.mem_get_info()
+    if need > free:
+        gib = 1 << 30
+        raise InputError(
+            f"{where}: run.clock: measured needs {need:,} bytes ({need / gib:.1f} GiB) on the "
+            f"GPU: weights {shape.weight_bytes / gib:.1f} GiB, KV cache {cache / gib:.1f} GiB, "
+            f"step buffers and workspaces {(step + MEASURED_OVERHEAD_BYTES) / gib:.1f} GiB; "
+            f"{torch.cuda.get_device_name()} has {free / gib:.1f} GiB free: lower "
+            "cache.max_tokens or scheduler.max_num_tokens")
+    if wl.run.backend == "auto":
+        from .kernels.flashinfer_backend import flashinfer_problem
+
+        problem = flashinfer_problem(m.dtype)
+        if problem:
+            raise InputError(f"{where}: run.clock: measured: {problem}")
+    engine = LinearWork(shape, torch.device("cuda"), wl.scheduler.max_batch_size, wl.run.seed)
+    return _open_data_plane(wl, spec, windowed, backend="flashinfer", engine=engine)
+
+
+def serve_clock(wl: Workload):
+    """The serve loop's clock: measured, a calibrated profile's, or the preset's."""
+    if wl.run.clock == "measured":
+        return MeasuredClock()
+    if wl.hardware.profile is not None:
+        from .profile import load_profile, model_shape
+
+        profile = load_profile(resolve_path(wl, wl.hardware.profile))
+        profile.check_shape(model_shape(wl.model, wl.cache.tokens_per_block), _where(wl))
+        return ProfileClock(profile)
+    return StepClock(wl.model, hardware_from_config(wl.hardware))
 
 
 def _check_fits(wl: Workload, requests: list[Request], num_blocks: int) -> None:
@@ -369,7 +454,11 @@ def _run_serve(
     _check_serve_fits(wl, requests, spec.num_gpu_blocks if windowed is None
                       else windowed.gpu_blocks_total)
     cross = cross_manager(wl, requests)
-    plane = _open_data_plane(wl, spec, windowed)
+    clock = serve_clock(wl)
+    if wl.run.clock == "measured":
+        plane = _open_measured_plane(wl, spec, windowed)
+    else:
+        plane = _open_data_plane(wl, spec, windowed)
     sp = wl.speculative
     hardware = hardware_from_config(wl.hardware)
     speculation = draft_plane = None
@@ -388,7 +477,7 @@ def _run_serve(
     result = run_serve(
         requests, manager, Scheduler(sched, spec.tokens_per_block,
                                      reserve_tokens=sp.max_draft_len + sp.reserved_tokens),
-        StepClock(wl.model, hardware),
+        clock,
         revert_deferred_ctx=sched.revert_deferred_ctx, batch_add=wl.cache.add_sequence == "batch",
         block_bytes=block_bytes(wl) if windowed is None  # pools' mean slot with windows
         else windowed.gpu_bytes_total // windowed.gpu_blocks_total,
@@ -421,7 +510,7 @@ def _run_serve(
         "ttft_ms": percentile_summary(ttft),
         "tpot_ms": percentile_summary(tpot),
         "e2e_ms": percentile_summary(e2e),
-        "time_source": "modeled",
+        "time_source": clock.time_source,
         **{counter: getattr(result, counter) for counter in SERVE_COUNTERS},
         "wall_s": wall,
         "verified": None,
@@ -434,9 +523,9 @@ def _run_serve(
     if sp.draft_model is not None:
         metrics.update(_draft_metrics(wl, manager.draft, states))
     if plane is not None:
-        # TTFT, TPOT and throughput come from the modeled clock, so the label stays; the
-        # kernel times a CUDA plane measured are reported beside them, not fed to the clock.
-        metrics.update(plane.metrics(), time_source="modeled")
+        # TTFT, TPOT and throughput carry the clock's label: with a modeled clock the kernel
+        # times a CUDA plane measured are reported beside them, not fed to the clock.
+        metrics.update(plane.metrics(), time_source=clock.time_source)
         if draft_plane is not None:
             d = draft_plane.metrics()
             metrics["draft_verified"] = d["verified"]

@@ -184,7 +184,7 @@ def test_merge_keys_and_aliases(tmp_path):
     path = write(tmp_path, "model: &m {num_layers: 2}\nhardware:\n  <<: *m\n")
     assert error_of(path) == (
         f"{path}:1:12: hardware.num_layers: unknown key; expected one of: preset, peak_flops,"
-        " hbm_bandwidth, host_link_bandwidth, step_overhead_ms"
+        " hbm_bandwidth, host_link_bandwidth, step_overhead_ms, profile"
     )
 
 

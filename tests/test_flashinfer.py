@@ -59,14 +59,29 @@ def test_flashinfer_output_matches_torch_backend_on_the_same_cache():
     items = [StepItem(1, a, list(range(13)), 150, 200)]
     dp.execute_step([], items)
     batch = PagedBatch(items, dp.pools[0], TPB, CUDA, decode=False)
-    q = dp.model.qkv(dp.model.rows(batch.new_tokens, batch.new_positions), 1)[2]
-    q = q.to(torch.bfloat16)
+    _, q = dp.model.qkv_all(dp.model.rows(batch.new_tokens, batch.new_positions), (0, 1),
+                            torch.bfloat16, torch.bfloat16)
     kv = dp.pools[0].gpu
-    dp.backend.plan(batch)
-    got = dp.backend.run(kv, batch, 1, q).float()
-    want = TorchBackend().run(kv, batch, 1, q)
+    got = dp.backend.run(kv, batch, q, dp.backend.plan(0, batch)).float()
+    want = TorchBackend().run(kv, batch, q)
     atol, rtol = TOLERANCES["bfloat16"]
     assert float((got - want).abs().max()) <= atol + rtol * float(want.abs().max())
+
+
+def test_step_phases_are_timed_once_per_step():
+    dp = plane(PoolSpec((0, 1), 64, num_host_slots=8))
+    a, b = tokens(300, 7), tokens(40, 8)
+    first = dp.execute_step([], [StepItem(1, a, list(range(19)), 0, 250),
+                                 StepItem(2, b, [30, 31, 32], 0, 39)])
+    # A context chunk and a decode token: two planned calls, one span per phase.
+    check = dp.execute_step([], [StepItem(1, a, list(range(19)), 250, 290),
+                                 StepItem(2, b, [30, 31, 32], 39, 40)])
+    assert first.verified and check.verified, check.mismatch
+    parts = check.write_ms + check.attention_ms
+    assert 0 < parts <= check.step_ms * 1.001 and check.linear_ms >= 0
+    m = dp.metrics()
+    assert m["data_plane_gpu_ms"] == pytest.approx(first.step_ms + check.step_ms)
+    assert m["data_plane_wall_s"] > 0 and m["data_plane_host_ms_per_step"] > 0
 
 
 def test_sliding_window_with_scratch_pages_plans_per_layer():

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvbench.cache.ids import BlockId, CopyKind, CopyOp, Tier  # noqa: E402
-from kvbench.kernels.attention import TorchBackend, attend  # noqa: E402
+from kvbench.kernels.attention import PagedBatch, TorchBackend, write_kv  # noqa: E402
 from kvbench.kernels.copies import _runs, _waves  # noqa: E402
 from kvbench.kernels.dataplane import DataPlane, resolve_backend  # noqa: E402
 from kvbench.kernels.model import SyntheticModel  # noqa: E402
@@ -88,18 +88,30 @@ def naive_attention(q, k, v, q_pos, k_pos, window):
 
 
 @pytest.mark.parametrize("window", [None, 1, 5])
-def test_attend_matches_naive_gqa_with_window(window):
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(6, 4, 8, generator=gen)
-    k = torch.randn(11, 2, 8, generator=gen)
-    v = torch.randn(11, 2, 8, generator=gen)
-    q_pos, k_pos = torch.arange(5, 11), torch.arange(0, 11)
-    got = attend(q, k, v, q_pos, k_pos, window)
-    want = naive_attention(q, k, v, q_pos.tolist(), k_pos.tolist(), window)
-    assert torch.allclose(got.double(), want, atol=1e-5)
+def test_reference_attention_matches_naive_gqa_with_window(window):
+    dp = plane(PoolSpec(layers=(0, 1, 2), num_gpu_slots=8, window=window))
+    toks = tokens(11, 1)
+    first = max(0, 5 - window + 1) // TPB if window else 0
+    assert prefill(dp, 1, toks, list(range(3)), 0, 5).verified
+    item = StepItem(1, toks, list(range(3))[first:], 5, 11, first_block=first)
+    batch = PagedBatch([item], dp.pools[0], TPB, torch.device("cpu"), decode=False)
+    kv = dp.pools[0].gpu
+    new_kv, q = dp.model.qkv_all(dp.model.rows(batch.new_tokens, batch.new_positions),
+                                 (0, 1, 2), torch.float32, torch.float32)
+    write_kv(kv, batch, new_kv.to(torch.bfloat16))
+    got = TorchBackend().run(kv, batch, q.to(torch.bfloat16))
+    lo = first * TPB
+    all_kv, _ = dp.model.qkv_all(dp.model.rows(toks[lo:11], np.arange(lo, 11)), (0, 1, 2),
+                                 torch.bfloat16, None)
+    for layer in range(3):
+        k, v = all_kv[layer, :, 0].float(), all_kv[layer, :, 1].float()
+        want = naive_attention(q[layer].to(torch.bfloat16).float(), k, v, list(range(5, 11)),
+                               list(range(lo, 11)), window)
+        assert torch.allclose(got[layer].double(), want, atol=1e-5)
     if window == 1:
         # Window 1: a query sees only itself.
-        assert torch.allclose(got.view(6, 2, 2, 8), v[5:11, :, None, :].expand(6, 2, 2, 8))
+        v = all_kv[:, 5 - lo:, 1].float()
+        assert torch.allclose(got.view(3, 6, 2, 2, 16), v[:, :, :, None, :].expand(3, 6, 2, 2, 16))
 
 
 # --- reuse, copies and faults --------------------------------------------------------------
@@ -244,10 +256,10 @@ def test_sliding_window_chunks_and_decode_with_truncated_page_table():
 class WindowBlindBackend(TorchBackend):
     """Attends to the whole page table, as a kernel planned without window_left would."""
 
-    def run(self, kv, batch, layer, q):
+    def run(self, kv, batch, q, plan=None):
         window, batch.window = batch.window, None
         try:
-            return super().run(kv, batch, layer, q)
+            return super().run(kv, batch, q, plan)
         finally:
             batch.window = window
 
@@ -317,9 +329,9 @@ def test_other_dtypes_verify(dtype):
 
 
 class NoisyBackend(TorchBackend):
-    def run(self, kv, batch, layer, q):
-        out = super().run(kv, batch, layer, q)
-        out[-1] += 0.05
+    def run(self, kv, batch, q, plan=None):
+        out = super().run(kv, batch, q, plan)
+        out[:, -1] += 0.05
         return out
 
 

@@ -1,7 +1,13 @@
-"""Modeled step time: how long one serve-mode iteration takes on the workload's hardware.
+"""Step time: how long one serve-mode iteration takes on the workload's hardware.
 
-Every time this module produces is a model, labelled `time_source: modeled` in results. One step
-runs the model once over every token scheduled in it, and takes
+Three clocks (`run.clock`, `hardware.profile`):
+- `StepClock`: the datasheet model below (`time_source: modeled`).
+- `ProfileClock`: the same steps priced from a profile `kvbench calibrate` measured on a real
+  GPU (`kvbench/profile.py`), by interpolating its tables (`time_source: modeled`).
+- `MeasuredClock`: no model; the serve loop takes each step's duration from the GPU time the
+  data plane measured for it (`time_source: measured`, CUDA only).
+
+The datasheet model: one step runs the model once over every token scheduled in it, and takes
 
     t = overhead + t_linear + t_attention + t_copy
 
@@ -29,7 +35,10 @@ that start before a deadline have closed forms; the serve loop jumps such runs i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 MATMUL_EFFICIENCY = 0.6
 """Fraction of peak FLOP/s dense matmuls reach (e_mm)."""
@@ -98,6 +107,7 @@ def matmul_params(model) -> float:
 class StepClock:
     """Step times of one model on one accelerator (see the module docstring)."""
 
+    time_source = "modeled"
     __slots__ = ("hardware", "overhead", "token_s", "weights_s", "pair_s", "kv_token_s",
                  "link_byte_s", "_decode_kv_s")
 
@@ -115,9 +125,13 @@ class StepClock:
         # A decode token reads as many KV tokens as it has (query, key) pairs.
         self._decode_kv_s = max(self.pair_s, self.kv_token_s)
 
-    def step_seconds(self, tokens: int, pairs: int, kv_tokens: int, copy_bytes: int = 0) -> float:
+    def step_seconds(self, tokens: int, pairs: int, kv_tokens: int, copy_bytes: int = 0, *,
+                     chunks: Sequence[tuple[int, int]] = (), decodes: int = 0,
+                     decode_kv: int = 0) -> float:
         """One step computing `tokens` tokens with `pairs` attention (query, key) pairs over
-        `kv_tokens` KV tokens read, moving `copy_bytes` over the host link."""
+        `kv_tokens` KV tokens read, moving `copy_bytes` over the host link. `chunks`
+        ((chunk, cached) per context request), `decodes` and `decode_kv` (their KV tokens
+        read) say the same per kind of work, for clocks that price each kind."""
         return (self.overhead + max(tokens * self.token_s, self.weights_s)
                 + max(pairs * self.pair_s, kv_tokens * self.kv_token_s)
                 + copy_bytes * self.link_byte_s)
@@ -150,3 +164,111 @@ class StepClock:
         while j < max_steps and self.decode_run_seconds(n, kv_tokens, j) < gap:
             j += 1
         return j
+
+
+class MeasuredClock:
+    """`run.clock: measured`: the serve loop takes each step's duration from the GPU time the
+    data plane measured for it (`StepCheck.step_ms`: the engine's linear layers, K/V writes,
+    attention, and host copies overlapping them); there is nothing to model."""
+
+    time_source = "measured"
+    __slots__ = ()
+
+
+class ProfileClock:
+    """Step times priced from a calibrated `HardwareProfile`, the way a measured clock's step
+    runs on that card:
+
+        t = floor + max(linear(T'), copy) + kv_write(T) + prefill + decode
+
+    T' is T padded to the captured graph's size when a graph runs the step; copy is the
+    step's host link bytes at the measured pinned bandwidth (copies overlap the linear layers
+    on their own stream); prefill is one planned call over the step's chunks, priced as the
+    smallest measured call plus each chunk's time above it; decode is the table's time for the
+    batch at its mean context. Tables are interpolated linearly, and extrapolated linearly
+    past their last points."""
+
+    time_source = "modeled"
+    __slots__ = ("profile", "floor_ms", "link_ms_per_byte", "_graphs", "_prefill0")
+
+    def __init__(self, profile) -> None:
+        self.profile = profile
+        self.floor_ms = profile.step_floor_ms
+        self.link_ms_per_byte = 2e3 / (profile.h2d_bytes_per_s + profile.d2h_bytes_per_s)
+        self._graphs = np.asarray(profile.graph_tokens, dtype=np.int64)
+        self._prefill0 = profile.prefill.ms[0][0]
+
+    def padded(self, tokens: int) -> int:
+        g = self._graphs
+        if tokens > g[-1]:
+            return tokens
+        return int(g[np.searchsorted(g, tokens)])
+
+    def step_seconds(self, tokens: int, pairs: int, kv_tokens: int, copy_bytes: int = 0, *,
+                     chunks: Sequence[tuple[int, int]] = (), decodes: int = 0,
+                     decode_kv: int = 0) -> float:
+        p = self.profile
+        ms = (self.floor_ms + max(float(interp1(p.linear, self.padded(tokens))),
+                                  copy_bytes * self.link_ms_per_byte)
+              + float(interp1(p.kv_write, tokens)))
+        if chunks:
+            ms += self._prefill0 + sum(max(0.0, float(interp2(p.prefill, c, s)) - self._prefill0)
+                                       for c, s in chunks)
+        if decodes:
+            ms += float(interp2(p.decode, decodes, decode_kv / decodes))
+        return ms / 1e3
+
+    def _decode_steps_ms(self, n: int, kv_tokens: int, steps: int) -> np.ndarray:
+        p = self.profile
+        base = (self.floor_ms + float(interp1(p.linear, self.padded(n)))
+                + float(interp1(p.kv_write, n)))
+        ctx = (kv_tokens + n * np.arange(steps, dtype=np.float64)) / n
+        return base + interp2(p.decode, n, ctx)
+
+    def decode_run_seconds(self, n: int, kv_tokens: int, steps: int) -> float:
+        """`steps` pure-decode steps of `n` sequences reading `kv_tokens` KV tokens in the
+        first step (n more each step after)."""
+        return float(self._decode_steps_ms(n, kv_tokens, steps).sum()) / 1e3
+
+    def decode_steps_before(self, n: int, kv_tokens: int, gap: float, max_steps: int) -> int:
+        """How many of the next `max_steps` pure-decode steps start less than `gap` seconds
+        from now (the first starts now)."""
+        if gap <= 0 or max_steps <= 0:
+            return 0
+        ends = np.cumsum(self._decode_steps_ms(n, kv_tokens, max_steps)) / 1e3
+        return 1 + int(np.count_nonzero(ends[:-1] < gap))
+
+
+def interp1(table, x):
+    """`table` (a `Table1D`) at x (scalar or array): linear between points, flat before the
+    first, linear past the last (the last segment's slope)."""
+    xs = np.asarray(table.x, dtype=np.float64)
+    ys = np.asarray(table.ms, dtype=np.float64)
+    return _interp(xs, ys, np.asarray(x, dtype=np.float64))
+
+
+def interp2(table, x, y):
+    """`table` (a `Table2D`) at scalar x and y (scalar or array): bilinear, extrapolated like
+    `interp1` along each axis."""
+    xs = np.asarray(table.x, dtype=np.float64)
+    ys = np.asarray(table.y, dtype=np.float64)
+    grid = np.asarray(table.ms, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    along_y = np.stack([_interp(ys, row, y) for row in grid])
+    return _interp(xs, along_y, np.float64(x))
+
+
+def _interp(xs: np.ndarray, values: np.ndarray, x):
+    """Interpolate `values` (first axis along `xs`) at x; x scalar when values has more
+    than one axis."""
+    if len(xs) == 1:
+        return values[0] if values.ndim > 1 else np.full_like(x, values[0])
+    if values.ndim > 1:
+        i = int(np.clip(np.searchsorted(xs, x) - 1, 0, len(xs) - 2))
+        if x <= xs[0]:
+            return values[0]
+        w = (x - xs[i]) / (xs[i + 1] - xs[i])
+        return values[i] + w * (values[i + 1] - values[i])
+    inside = np.interp(x, xs, values)
+    slope = (values[-1] - values[-2]) / (xs[-1] - xs[-2])
+    return np.where(x > xs[-1], values[-1] + (x - xs[-1]) * slope, inside)

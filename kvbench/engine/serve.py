@@ -1,4 +1,5 @@
-"""Serve mode: an iteration loop with arrivals on a modeled clock (DESIGN.md section 3).
+"""Serve mode: an iteration loop with arrivals on a clock (DESIGN.md section 3; modeled, or
+measured on the GPU by the data plane, `engine/clock.py`).
 
 One step: requests that have arrived join the waiting queue; every decoding request gets its
 generation token, and a block when that token starts one (if the pool is dry, the newest running
@@ -40,11 +41,13 @@ from ..cache.manager import KVCacheManager, Phase2AllocationError
 from ..cache.windows import WindowedCacheManager
 from ..kernels.step import StepItem, beam_items, beam_tokens
 from ..traffic.request import Request
-from .clock import StepClock
+from .clock import MeasuredClock, ProfileClock, StepClock
 from .cross import CrossTally
 from .scheduler import ContextWork, Phase, Scheduler, ServeRequest
 from .speculative import Speculation
 from .timeline import Timeline
+
+Clock = StepClock | ProfileClock | MeasuredClock
 
 TIMELINE_COLUMNS = ("step", "steps", "time_us", "batch", "scheduled_tokens", "computed_tokens",
                     "in_use", "cached", "free", "reused_tokens", "prompt_tokens")
@@ -99,7 +102,7 @@ class ServeResult:
     iterations: int
     """Steps, jumped ones included."""
     duration_s: float
-    """Modeled time from the first arrival to the last finish."""
+    """Time on the run's clock from the first arrival to the last finish."""
     computed_tokens: int
     """Tokens whose KV was computed (context chunks, recomputation and decode)."""
     preemptions: int
@@ -134,7 +137,7 @@ the same name."""
 
 def run_serve(
     requests: Sequence[Request], manager: KVCacheManager, scheduler: Scheduler,
-    clock: StepClock, **options,
+    clock: Clock, **options,
 ) -> ServeResult:
     """Serve `requests` (in arrival order) to completion; `options` as `ServeLoop` takes them.
     The caller has checked that each request fits: the KV of its prompt and generated tokens
@@ -152,12 +155,12 @@ class ServeLoop:
         "events", "step", "now", "finished", *SERVE_COUNTERS, "timeline", "block_bytes",
         "data_plane", "_moved", "_row_reused",
         "_row_prompt", "_columns",
-        "_tokens",
+        "_tokens", "measured",
     )
 
     def __init__(
         self, requests: Sequence[Request], manager: KVCacheManager, scheduler: Scheduler,
-        clock: StepClock, *, revert_deferred_ctx: bool = False, batch_add: bool = False,
+        clock: Clock, *, revert_deferred_ctx: bool = False, batch_add: bool = False,
         block_bytes: int = 0, bulk_decode: bool = True, data_plane=None,
         speculation: Speculation | None = None, draft_plane=None,
         cross: KVCacheManager | None = None,
@@ -184,6 +187,9 @@ class ServeLoop:
         self.cross_tally = CrossTally()
         self.bulk_decode = bulk_decode and data_plane is None and speculation is None
         self.data_plane = data_plane
+        self.measured = clock.time_source == "measured"
+        if self.measured and data_plane is None:
+            raise ValueError("a measured clock needs a data plane to measure")
         self.on_step = on_step
         self.on_progress = on_progress
         self.tpb = manager.tpb
@@ -282,7 +288,10 @@ class ServeLoop:
             work, scheduled = [], gen_tokens
         tokens, dt = self._compute(work, gen_tokens)
         if self.data_plane is not None:
-            self._execute(work)
+            check = self._execute(work)
+            if self.measured:
+                # What the GPU took for the step's work (no data plane work: no time).
+                dt = (check.step_ms or 0.0) / 1e3 if check is not None else 0.0
         start_s = self.now
         self.now += dt
         if self.on_step is not None:
@@ -305,19 +314,23 @@ class ServeLoop:
         self.step = step + 1
         return not plan and not done and num_gen > 0
 
-    def _compute(self, work: list[ContextWork], gen_tokens: int) -> tuple[int, float]:
-        """Tokens the step computes and its modeled time; counts MNT overflow (the actual
-        tokens past the budget, DESIGN.md section 3) and the reuse shortfall behind it.
-        A context chunk is computed once for all its beams."""
+    def _compute(self, work: list[ContextWork], gen_tokens: int) -> tuple[int, float | None]:
+        """Tokens the step computes and its modeled time (None with a measured clock); counts
+        MNT overflow (the actual tokens past the budget, DESIGN.md section 3) and the reuse
+        shortfall behind it. A context chunk is computed once for all its beams."""
+        chunks = []  # (tokens, cached before them) of every multi-token item, for the clock
         if self.spec is None:
             kv = self.dec_k + gen_tokens * (self.step + 1)  # a beam at position p reads p + 1
-            pairs = kv
+            pairs = decode_kv = kv
+            decodes = gen_tokens
         else:
             kv = pairs = 0  # a decoder at p computes p .. p + k, reading p + 1 .. p + k + 1
             for r in self.decoders.values():
                 t = r.drafts + 1
                 kv += r.d_pos0 + t
                 pairs += t * r.d_pos0 + t * (t + 1) // 2
+                chunks.append((t, r.d_pos0))
+            decodes = decode_kv = 0
         tokens = gen_tokens
         ctx_tokens = ctx_pairs = ctx_kv = 0
         for w in work:
@@ -325,6 +338,7 @@ class ServeLoop:
             ctx_tokens += c
             ctx_pairs += c * w.start + c * (c + 1) // 2
             ctx_kv += w.end
+            chunks.append((c, w.start))
             if w.new and w.estimated > w.start:
                 self.reuse_shortfall_tokens += w.estimated - w.start
         tokens += ctx_tokens
@@ -345,16 +359,20 @@ class ServeLoop:
         moved = mgr.onboard_blocks + mgr.offload_blocks
         copy_bytes = (moved - self._moved) * self.block_bytes
         self._moved = moved
-        dt = self.clock.step_seconds(tokens, pairs, kv, copy_bytes)
+        if self.measured:
+            return tokens, None
+        dt = self.clock.step_seconds(tokens, pairs, kv, copy_bytes, chunks=chunks,
+                                     decodes=decodes, decode_kv=decode_kv)
         if encoded:
-            dt += self.clock.step_seconds(encoded, encoded_pairs, encoded)
+            dt += self.clock.step_seconds(encoded, encoded_pairs, encoded,
+                                          chunks=[(encoded, 0)])
         if self.spec is not None:
             dt += self.spec.draft_seconds(
                 ctx_tokens, ctx_pairs, ctx_kv,
                 [(r.d_pos0, r.drafts) for r in self.decoders.values()])
         return tokens, dt
 
-    def _execute(self, work: list[ContextWork]) -> None:
+    def _execute(self, work: list[ContextWork]):
         """Run the step on the data plane, before anything it computes is committed. With
         sliding windows, each sequence is one item per pool: the blocks from the first one its
         queries read, and the step's scratch pages."""
@@ -387,7 +405,8 @@ class ServeLoop:
                 items.append(StepItem(r.request.id, tokens, blocks, start, end, pool=i,
                                       first_block=first, scratch=scratch))
         if ops or items:
-            self.data_plane.execute_step(ops, items)
+            return self.data_plane.execute_step(ops, items)
+        return None
 
     def _execute_draft(self, runs: list[tuple[ServeRequest, int, int]]) -> None:
         """The draft model's KV on its own data plane: it prefills the step's context chunks

@@ -1,14 +1,22 @@
 """Paged batches and the torch reference attention backend.
 
 A `PagedBatch` is one pool's context items (or decode items) of a step, flattened into
-FlashInfer's CSR page tables: `kv_indptr` over pages, int32 page indices, `last_page_len`, and
+FlashInfer's CSR page tables: `kv_indptr` over pages, page indices, `last_page_len`, and
 `qo_indptr` over the queries. Page indices are those of the pool's first layer (`slot * L`);
-layer `l` adds `l`, except for scratch pages, which are the same in every layer.
+layer `l` adds `l`, except for scratch pages, which are the same in every layer. Every layer
+of the pool runs in one call: `layer_tables` repeats the tables once per layer (entry
+`l * n + i` is item `i` at layer `l`), so one plan and one kernel launch cover the step's
+attention, and one scatter writes the K/V of every layer (`write_kv`).
+
+The reference attention (`attend_segments`) runs all layers of a tile of items at once, in
+float32, over padded key and query blocks sized to a memory budget; the torch backend and the
+verifier share it, so the torch backend's output equals the reference bit for bit whenever
+both read the same keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -17,17 +25,42 @@ from .step import StepItem
 from .storage import PoolTensors
 
 QUERY_CHUNK = 256
-"""Queries per score matrix in `attend`: bounds its memory on long prompts."""
+"""Most queries of one item in one score block of `attend_segments`."""
+TILE_BYTES = 256 * 1024 * 1024
+"""Float32 bytes of one reference tile on a CPU: the K and V of its layers and items, and
+the padded K, V, queries and scores of a group of query segments."""
+TILE_BYTES_CUDA = 2 * 1024 * 1024 * 1024
+"""The same on a GPU, where fewer, larger tiles save launches and host work."""
+
+
+def tile_bytes(device: torch.device) -> int:
+    return TILE_BYTES_CUDA if device.type == "cuda" else TILE_BYTES
+
+
+def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 arrays on `device` in one host-to-device copy (pinned, asynchronous on CUDA, so
+    the host does not wait for the GPU to drain the work queued before it)."""
+    if device.type != "cuda":
+        return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+    sizes = [a.size for a in arrays]
+    flat = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]) \
+        if arrays else np.zeros(0, np.int64)
+    dev = torch.from_numpy(flat).pin_memory().to(device, non_blocking=True)
+    out, o = [], 0
+    for a, n in zip(arrays, sizes):
+        out.append(dev[o:o + n].view(a.shape))
+        o += n
+    return out
 
 
 class PagedBatch:
     """One pool's items of one kind (context or decode) in a step, as page tables."""
 
     __slots__ = (
-        "items", "pool", "window", "decode", "tpb", "kv_start", "kv_len", "qo_indptr",
-        "kv_indptr", "last_page_len", "pages", "has_scratch", "new_positions", "new_tokens",
-        "tok_batch", "tok_rel", "_base", "_scratch_mask", "_tok_page",
-        "_tok_slot", "device",
+        "items", "pool", "window", "decode", "tpb", "num_layers", "kv_start", "kv_len",
+        "qo_indptr", "kv_indptr", "last_page_len", "pages", "scratch_mask", "has_scratch",
+        "new_positions", "new_tokens", "tok_batch", "tok_rel", "tok_page", "device",
+        "pages_dev", "write_page", "write_slot",
     )
 
     def __init__(self, items: Sequence[StepItem], pool: PoolTensors, tokens_per_block: int,
@@ -40,6 +73,7 @@ class PagedBatch:
         self.window = spec.window
         self.decode = decode
         self.tpb = tpb
+        self.num_layers = num_layers
         n = len(self.items)
         kv_start = np.zeros(n, np.int64)
         kv_len = np.zeros(n, np.int64)
@@ -83,6 +117,7 @@ class PagedBatch:
         self.last_page_len = kv_len - (np.diff(kv_indptr) - 1) * tpb
         self.pages = np.concatenate(pages) if pages else np.zeros(0, np.int64)
         mask = np.concatenate(masks) if masks else np.zeros(0, bool)
+        self.scratch_mask = mask
         self.has_scratch = bool(mask.any())
         total_pages = spec.num_gpu_slots + spec.num_scratch_slots
         if self.has_scratch and not (
@@ -96,88 +131,205 @@ class PagedBatch:
         counts = np.diff(qo_indptr)
         self.tok_batch = np.repeat(np.arange(n, dtype=np.int64), counts)
         self.tok_rel = self.new_positions - kv_start[self.tok_batch]
-        tok_page = kv_indptr[self.tok_batch] + self.tok_rel // tpb
+        self.tok_page = kv_indptr[self.tok_batch] + self.tok_rel // tpb
         self.device = device
-        self._base = torch.from_numpy(self.pages).to(device)
-        self._scratch_mask = torch.from_numpy(mask).to(device) if self.has_scratch else None
-        self._tok_page = torch.from_numpy(tok_page).to(device)
-        self._tok_slot = torch.from_numpy(self.tok_rel % tpb).to(device)
+        all_pages = self.layer_pages_np()
+        self.pages_dev, self.write_page, self.write_slot = to_device(
+            [all_pages, all_pages[:, self.tok_page], np.tile(self.tok_rel % tpb, num_layers)],
+            device)
 
-    def layer_pages(self, layer: int) -> torch.Tensor:
-        """Page index of every page-table entry in the pool's `layer`-th layer (int64)."""
-        pages = self._base + layer
-        if self._scratch_mask is not None:
-            pages = torch.where(self._scratch_mask, self._base, pages)
-        return pages
+    def layer_pages_np(self) -> np.ndarray:
+        """`[num_layers, pages]`: page index of every page-table entry in every layer."""
+        layers = np.arange(self.num_layers, dtype=np.int64)[:, None]
+        return np.where(self.scratch_mask[None, :], self.pages[None, :],
+                        self.pages[None, :] + layers)
 
-    def write_targets(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, slot in page) where each computed token's K/V goes in `layer`."""
-        return self.layer_pages(layer)[self._tok_page], self._tok_slot
+    def layer_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(qo_indptr, kv_indptr, last_page_len) of the batch repeated for every layer,
+        layer-major: entry `l * n + i` is item `i` at layer `l`; its pages are
+        `pages_dev[l]`'s, so the flattened `pages_dev` is the matching index array."""
+        L = self.num_layers
+        layers = np.arange(L, dtype=np.int64)[:, None]
+        qo = np.append((self.qo_indptr[:-1][None, :] + layers * self.qo_indptr[-1]).ravel(),
+                       L * self.qo_indptr[-1])
+        kv = np.append((self.kv_indptr[:-1][None, :] + layers * self.kv_indptr[-1]).ravel(),
+                       L * self.kv_indptr[-1])
+        return qo, kv, np.tile(self.last_page_len, L)
 
-    def item_pages(self, pages: torch.Tensor, i: int) -> torch.Tensor:
-        return pages[int(self.kv_indptr[i]):int(self.kv_indptr[i + 1])]
+    def layer_slice(self, layer: int) -> PagedBatch:
+        """The batch at one layer of its pool alone (pages shifted to that layer's): how a
+        batch with scratch pages runs, since every layer reuses the same scratch page."""
+        part = object.__new__(PagedBatch)
+        for name in PagedBatch.__slots__:
+            setattr(part, name, getattr(self, name))
+        n = len(self.new_tokens)
+        part.num_layers = 1
+        part.pages = np.where(self.scratch_mask, self.pages, self.pages + layer)
+        part.pages_dev = self.pages_dev[layer:layer + 1]
+        part.write_page = self.write_page[layer:layer + 1]
+        part.write_slot = self.write_slot[:n]
+        return part
+
+    def item_keys(self, windowed: bool) -> KeyIndex:
+        """The keys each item's queries read: from the window's start (`windowed`) or the
+        page table's start, to the item's end."""
+        return KeyIndex(self, windowed)
 
 
-def gather_kv(kv: torch.Tensor, pages: torch.Tensor, length: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 K and V `[length, kv_heads, head_dim]` read through a page table."""
-    got = kv[pages].float()
-    heads, dim = got.shape[-2:]
-    return got[:, 0].reshape(-1, heads, dim)[:length], got[:, 1].reshape(-1, heads, dim)[:length]
+class KeyIndex:
+    """Per key of a batch (items in order, positions ascending): its position, its item and
+    where it sits (page-table entry, slot in page)."""
+
+    __slots__ = ("lo", "indptr", "positions", "item", "entry", "slot")
+
+    def __init__(self, batch: PagedBatch, windowed: bool) -> None:
+        lo = batch.kv_start.copy()
+        if windowed and batch.window:
+            starts = np.array([it.start for it in batch.items], np.int64)
+            lo = np.maximum(lo, starts - batch.window + 1)
+        ends = batch.kv_start + batch.kv_len
+        counts = ends - lo
+        self.lo = lo
+        self.indptr = np.concatenate([[0], np.cumsum(counts)])
+        self.item = np.repeat(np.arange(len(batch.items), dtype=np.int64), counts)
+        self.positions = np.arange(int(self.indptr[-1]), dtype=np.int64) \
+            - self.indptr[:-1][self.item] + lo[self.item]
+        rel = self.positions - batch.kv_start[self.item]
+        self.entry = batch.kv_indptr[self.item] + rel // batch.tpb
+        self.slot = rel % batch.tpb
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-           k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Causal (optionally sliding-window) GQA attention in float32.
+def write_kv(kv: torch.Tensor, batch: PagedBatch, new_kv: torch.Tensor) -> None:
+    """Write the computed tokens' K/V of every layer (`[L, n, 2, kv_heads, head_dim]`) into
+    their pages: one scatter for the whole batch."""
+    L, n = new_kv.shape[:2]
+    # Raw bytes: any storage type (CPU indexing has no fp8 kernels), bit for bit.
+    raw = new_kv.reshape(L * n, *new_kv.shape[2:]).view(torch.uint8)
+    kv.view(torch.uint8)[batch.write_page.view(-1), :, batch.write_slot] = raw
 
-    q `[nq, q_heads, d]`, k and v `[nk, kv_heads, d]`; query head `h` reads kv head
-    `h // (q_heads // kv_heads)` (FlashInfer's grouping); a query at position `p` sees keys at
-    positions `(p - window, p]`. Returns `[nq, q_heads, d]`.
-    """
-    nq, hq, d = q.shape
-    hk = k.shape[1]
+
+def gather_keys(kv: torch.Tensor, batch: PagedBatch, keys: KeyIndex, layers: slice,
+                items: slice) -> torch.Tensor:
+    """K/V `[layers, keys, 2, kv_heads, head_dim]` (storage type) of `keys` read through the
+    batch's page tables, for a range of layers and items."""
+    k0, k1 = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
+    entry = torch.from_numpy(keys.entry[k0:k1]).to(kv.device)
+    slot = torch.from_numpy(keys.slot[k0:k1]).to(kv.device)
+    pages = batch.pages_dev[layers][:, entry]
+    g = pages.shape[0]
+    got = kv.view(torch.uint8)[pages.reshape(-1), :, slot.repeat(g)].view(kv.dtype)
+    return got.view(g, k1 - k0, *kv.shape[1:2], *kv.shape[3:])
+
+
+def tiles(key_counts: np.ndarray, num_layers: int, key_bytes: int,
+          budget: int = TILE_BYTES) -> Iterator[tuple[slice, slice]]:
+    """(layer range, item range) tiles whose float32 K/V (`key_bytes` per key and layer)
+    stay under `budget`: all layers at once unless one item is too long for that."""
+    longest = int(key_counts.max()) if len(key_counts) else 0
+    group = max(1, min(num_layers, budget // max(1, longest * key_bytes)))
+    limit = max(1, budget // (group * key_bytes))
+    i, n = 0, len(key_counts)
+    while i < n:
+        j, total = i, 0
+        while j < n and (j == i or total + key_counts[j] <= limit):
+            total += int(key_counts[j])
+            j += 1
+        for l0 in range(0, num_layers, group):
+            yield slice(l0, min(num_layers, l0 + group)), slice(i, j)
+        i = j
+
+
+def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch,
+                    keys: KeyIndex, items: slice, window: int | None,
+                    budget: int = TILE_BYTES) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Reference attention of a tile, in float32: `q` `[G, tile queries, q_heads, d]`, `k` and
+    `v` `[G, tile keys, kv_heads, d]` (the items of `items`, in order). Yields
+    (first query, end query, output `[G, queries, q_heads, d]`) per segment, query indices
+    counted from the tile's first query. Items are padded to the segment's longest run of keys
+    and queries; query runs are cut so that scores stay under `budget` bytes."""
+    G, _, hq, d = q.shape
+    hk = k.shape[2]
     g = hq // hk
-    kt = k.float().permute(1, 2, 0)
-    vt = v.float().permute(1, 0, 2)
-    out = torch.empty((nq, hq, d), dtype=torch.float32, device=q.device)
-    for c0 in range(0, nq, QUERY_CHUNK):
-        qc = q[c0:c0 + QUERY_CHUNK].float()
-        c = qc.shape[0]
-        qh = qc.view(c, hk, g, d).permute(1, 0, 2, 3).reshape(hk, c * g, d)
-        s = torch.bmm(qh, kt) * d**-0.5
-        qp = q_pos[c0:c0 + c].repeat_interleave(g)[:, None]
-        hidden = k_pos[None, :] > qp
+    dev = q.device
+    q_base = int(batch.qo_indptr[items.start])
+    k_base = int(keys.indptr[items.start])
+    # Segments: (item, first query, end query) with query runs cut to fit the budget.
+    segs: list[tuple[int, int, int]] = []
+    for i in range(items.start, items.stop):
+        q0, q1 = int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1])
+        nk = int(keys.indptr[i + 1] - keys.indptr[i])
+        step = max(1, min(QUERY_CHUNK, budget // (8 * G * hq * max(nk, 1))))
+        for a in range(q0, q1, step):
+            segs.append((i, a, min(q1, a + step)))
+
+    def cost(b: int, mq: int, mk: int) -> int:
+        # float32 padded K and V, queries and outputs, scores and probabilities
+        return 4 * G * b * (2 * mk * hk * d + 2 * mq * hq * d + 2 * hq * mq * mk)
+
+    s = 0
+    while s < len(segs):
+        # Group segments while the padded block fits.
+        e, mq, mk = s, 0, 0
+        while e < len(segs):
+            i, a, b = segs[e]
+            nk = int(keys.indptr[i + 1] - keys.indptr[i])
+            nq2, nk2 = max(mq, b - a), max(mk, nk)
+            if e > s and cost(e - s + 1, nq2, nk2) > budget:
+                break
+            mq, mk, e = nq2, nk2, e + 1
+        group = segs[s:e]
+        B = len(group)
+        qidx = np.zeros((B, mq), np.int64)
+        qpos = np.zeros((B, mq), np.int64)
+        kidx = np.zeros((B, mk), np.int64)
+        kpos = np.full((B, mk), np.iinfo(np.int64).max, np.int64)
+        for r, (i, a, b) in enumerate(group):
+            qidx[r, :b - a] = np.arange(a, b) - q_base
+            qpos[r, :b - a] = batch.new_positions[a:b]
+            k0, k1 = int(keys.indptr[i]), int(keys.indptr[i + 1])
+            kidx[r, :k1 - k0] = np.arange(k0, k1) - k_base
+            kpos[r, :k1 - k0] = keys.positions[k0:k1]
+        qi, qp, ki, kp = (torch.from_numpy(a).to(dev) for a in (qidx, qpos, kidx, kpos))
+        Q = q[:, qi.view(-1)].float().view(G, B, mq, hk, g, d)
+        K = k[:, ki.view(-1)].float().view(G, B, mk, hk, d)
+        V = v[:, ki.view(-1)].float().view(G, B, mk, hk, d)
+        Qh = Q.permute(0, 1, 3, 2, 4, 5).reshape(G * B * hk, mq * g, d)
+        Kt = K.permute(0, 1, 3, 4, 2).reshape(G * B * hk, d, mk)
+        scores = torch.bmm(Qh, Kt).mul_(d**-0.5).view(G, B, hk, mq, g, mk)
+        hidden = kp[:, None, :] > qp[:, :, None]
         if window is not None:
-            hidden |= k_pos[None, :] <= qp - window
-        s.masked_fill_(hidden, float("-inf"))
-        o = torch.bmm(torch.softmax(s, dim=-1), vt)
-        out[c0:c0 + c] = o.view(hk, c, g, d).permute(1, 0, 2, 3).reshape(c, hq, d)
-    return out
+            hidden |= kp[:, None, :] <= qp[:, :, None] - window
+        scores.masked_fill_(hidden[None, :, None, :, None, :], float("-inf"))
+        p = torch.softmax(scores, dim=-1).view(G * B * hk, mq * g, mk)
+        Vh = V.permute(0, 1, 3, 2, 4).reshape(G * B * hk, mk, d)
+        o = torch.bmm(p, Vh).view(G, B, hk, mq, g, d).permute(0, 1, 3, 2, 4, 5)
+        o = o.reshape(G, B, mq, hq, d)
+        for r, (i, a, b) in enumerate(group):
+            yield a - q_base, b - q_base, o[:, r, :b - a]
+        s = e
 
 
 class TorchBackend:
-    """Reference backend: gathers each item's pages and runs `attend` (CPU or CUDA)."""
+    """Reference backend: reads every item's whole page table (all layers at once) and runs
+    `attend_segments` on it (CPU or CUDA)."""
 
     name = "torch"
 
-    def plan(self, batch: PagedBatch) -> None:
-        """Nothing to plan: page tables are read per layer."""
+    def plan(self, pool: int, batch: PagedBatch, buffer: int = 0) -> None:
+        """Nothing to plan: page tables are read when the batch runs."""
 
-    def write(self, kv: torch.Tensor, batch: PagedBatch, layer: int, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        page, slot = batch.write_targets(layer)
-        kv[page, 0, slot] = k
-        kv[page, 1, slot] = v
-
-    def run(self, kv: torch.Tensor, batch: PagedBatch, layer: int, q: torch.Tensor
+    def run(self, kv: torch.Tensor, batch: PagedBatch, q: torch.Tensor, plan=None
             ) -> torch.Tensor:
-        pages = batch.layer_pages(layer)
+        """Attention of every layer: q `[L, queries, q_heads, d]` -> float32, same shape."""
+        keys = batch.item_keys(windowed=False)
+        L = q.shape[0]
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        dev = q.device
-        for i, it in enumerate(batch.items):
-            k, v = gather_kv(kv, batch.item_pages(pages, i), int(batch.kv_len[i]))
-            q0, q1 = int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1])
-            out[q0:q1] = attend(
-                q[q0:q1], k, v, torch.arange(it.start, it.end, device=dev),
-                torch.arange(int(batch.kv_start[i]), it.end, device=dev), batch.window)
+        per_key = 2 * kv.shape[3] * kv.shape[4] * 4
+        budget = tile_bytes(kv.device)
+        for layers, items in tiles(np.diff(keys.indptr), L, per_key, budget):
+            got = gather_keys(kv, batch, keys, layers, items)
+            q0, q1 = int(batch.qo_indptr[items.start]), int(batch.qo_indptr[items.stop])
+            for a, b, o in attend_segments(q[layers, q0:q1], got[:, :, 0], got[:, :, 1],
+                                           batch, keys, items, batch.window, budget):
+                out[layers, q0 + a:q0 + b] = o
         return out

@@ -34,12 +34,17 @@ class CopyExecutor:
         self.device = device
         self.origin: list[dict[int, str]] = [{} for _ in pools]
 
-    def run(self, pool: int, ops: Sequence[CopyOp], step: int) -> int:
-        """Execute `ops` of `pool`; returns the number of blocks moved."""
+    def check(self, pool: int, ops: Sequence[CopyOp]) -> None:
+        """Raise ValueError for an op naming a block outside the pool (a caller bug)."""
         tensors = self.pools[pool]
         for op in ops:
             self._row(tensors, op.src_tier, op.src)
             self._row(tensors, op.dst_tier, op.dst)
+
+    def run(self, pool: int, ops: Sequence[CopyOp], step: int) -> int:
+        """Execute `ops` of `pool` (checked with `check`) on the current stream; returns the
+        number of blocks moved."""
+        tensors = self.pools[pool]
         for wave in _waves(ops):
             groups: dict[tuple[Tier, Tier], list[CopyOp]] = {}
             for op in wave:

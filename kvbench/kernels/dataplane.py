@@ -13,21 +13,32 @@ Wiring it into an engine loop (cache mode does this per request, serve mode per 
     ...
     metrics.update(plane.metrics())
 
-`execute_step` first runs the step's copy ops (so onboarded and partially copied blocks hold
-their data), then, pool by pool and layer by layer, writes the K/V of every computed token
-into the sequence's pages, runs attention for every computed token over the paged cache and,
-when the step is checked, compares with dense recomputation (`verify.py`).
+`execute_step` builds the step's page tables (one batch per pool and kind: context or decode,
+every layer of the pool in it), computes the synthetic Q/K/V of every layer in one vectorised
+call per batch and plans the attention, all before the step's timed span; then it runs the
+step's copy ops on their own stream (so onboarded and partially copied blocks hold their
+data), the engine's linear layers when a measured clock asked for them (`engine.LinearWork`),
+waits for the copies, writes the K/V of every layer in one scatter per batch, runs attention
+for every layer in one planned call per batch and, when the step is checked, compares with
+dense recomputation (`verify.py`). Python work per step is per batch, never per layer.
+
+On CUDA, events around the step's phases (not around each call) give its measured GPU times:
+copies, linear layers, K/V writes, attention, and the whole step (`StepCheck.step_ms`), which
+a measured clock takes as the step's duration. FlashInfer's JIT modules are built when the
+plane opens (`FlashInferBackend.warm_up`), before anything is timed.
 """
 
 from __future__ import annotations
 
 import random
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from ..cache.ids import CopyOp
-from .attention import PagedBatch, TorchBackend
+from .attention import PagedBatch, TorchBackend, write_kv
 from .copies import CopyExecutor
 from .model import SyntheticModel
 from .step import BackendUnavailable, Mismatch, ModelShape, PoolSpec, StepCheck, StepItem
@@ -57,13 +68,17 @@ def resolve_backend(requested: str, dtype: str) -> str:
 
 
 def open_data_plane(model, tokens_per_block: int, pools: Sequence[PoolSpec], *,
-                    backend: str = "auto", verify: str = "all", seed: int = 0) -> DataPlane:
+                    backend: str = "auto", verify: str = "all", seed: int = 0,
+                    engine=None, lazy_times: bool = False) -> DataPlane:
     """A data plane for the workload's `model:` section; raises BackendUnavailable when the
-    backend asked for cannot run here."""
+    backend asked for cannot run here. `engine` (a `LinearWork`) adds the engine's linear
+    layers to every step's timed work (a measured clock, which needs each step's time at
+    once); `lazy_times` lets the host run ahead of the GPU when nobody does."""
     shape = ModelShape.of(model, tokens_per_block)
     name = resolve_backend(backend, shape.dtype)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return DataPlane(shape, pools, backend=name, device=device, verify=verify, seed=seed)
+    return DataPlane(shape, pools, backend=name, device=device, verify=verify, seed=seed,
+                     engine=engine, lazy_times=lazy_times)
 
 
 class DataPlane:
@@ -71,7 +86,8 @@ class DataPlane:
     backend and the verifier; `execute_step` is its whole per-step interface."""
 
     def __init__(self, shape: ModelShape, pools: Sequence[PoolSpec], *, backend: str = "torch",
-                 device: torch.device | str = "cpu", verify: str = "all", seed: int = 0) -> None:
+                 device: torch.device | str = "cpu", verify: str = "all", seed: int = 0,
+                 engine=None, lazy_times: bool = False) -> None:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}")
         self.shape = shape
@@ -81,6 +97,8 @@ class DataPlane:
             # save (measured 20-30x slower gathers and matmuls with 2 threads on 2-core hosts).
             torch.set_num_threads(1)
         self.pools = make_pools(shape, pools, self.device)
+        self._timed = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self._timed else None
         self.copier = CopyExecutor(self.pools, self.device)
         self.model = SyntheticModel(shape, seed, self.device)
         if backend == "torch":
@@ -89,13 +107,16 @@ class DataPlane:
             from .flashinfer_backend import FlashInferBackend
 
             self.backend = FlashInferBackend(shape, self.device)
+            self.backend.warm_up([p.spec.window for p in self.pools])
         else:
             raise ValueError(f"unknown backend {backend!r}")
+        if engine is not None and not self._timed:
+            raise ValueError("the engine's linear layers run only on CUDA")
+        self.engine = engine
         self.verify = verify
         self.verifier = Verifier(self.model, shape.dtype,
                                  lambda pool, block: self.copier.origin[pool].get(block))
         self._sampler = random.Random(seed)
-        self._timed = self.device.type == "cuda"
         self._kv_dtype = STORAGE_DTYPES[shape.dtype]
         self._q_dtype = QUERY_DTYPES[shape.dtype]
         self.steps = 0
@@ -104,9 +125,18 @@ class DataPlane:
         self.first_mismatch: Mismatch | None = None
         self.copied_blocks = 0
         self.copy_bytes = 0
-        self.attention_ms = 0.0
-        self.write_ms = 0.0
-        self.copy_ms = 0.0
+        self.times = dict.fromkeys(PHASES, 0.0)
+        """Summed measured GPU ms per phase (CUDA only)."""
+        self.host_s = 0.0
+        """Host time spent issuing steps (everything but waiting for the GPU)."""
+        self.wall_s = 0.0
+        self.lazy_times = lazy_times and self._timed
+        """Read a step's CUDA events later, so that the host prepares the next step while the
+        GPU runs this one (its StepCheck then carries no times; `metrics` has them all).
+        Plans alternate between two sets of wrappers, and a step waits for the one two steps
+        back before planning: FlashInfer stages each plan in a pinned buffer of its wrapper,
+        which must not be rewritten before the GPU copied it."""
+        self._pending: deque[_Marks] = deque()
 
     def execute_step(self, copy_ops: Sequence[CopyOp] | Mapping[int, Sequence[CopyOp]],
                      items: Sequence[StepItem]) -> StepCheck:
@@ -119,61 +149,107 @@ class DataPlane:
         cannot serve its item (a block missing, an id outside the pool): that is a caller bug,
         not a data mismatch.
         """
+        t_start = time.perf_counter()
         step = self.steps
         self.steps += 1
+        while len(self._pending) >= 2:
+            self._add_times(self._pending.popleft().totals())
+        t0 = time.perf_counter()
+        buffer = step % 2 if self.lazy_times else 0
         check = self.verify == "all" or (self.verify == "sample"
                                           and self._sampler.random() < SAMPLE_RATE)
-        timer = _Timer(self._timed)
         by_pool = copy_ops if isinstance(copy_ops, Mapping) else {0: copy_ops}
+        for pool, ops in by_pool.items():
+            self.copier.check(pool, ops)
+        # Untimed preparation: page tables, the synthetic model's Q/K/V (an engine's linear
+        # layers produce them; those are timed instead), attention plans. A batch with
+        # scratch pages runs layer by layer (every layer reuses the scratch page), planned
+        # and, when checked, verified between layers.
+        whole, layered = [], []
+        tokens = 0
+        for pool, batch in self._batches(items):
+            layers = self.pools[pool].spec.layers
+            rows = self.model.rows(batch.new_tokens, batch.new_positions)
+            new_kv, q = self.model.qkv_all(rows, layers, self._kv_dtype, self._q_dtype)
+            if batch.has_scratch:
+                layered.append((pool, batch, new_kv, q))
+            else:
+                whole.append((pool, batch, new_kv, q, self.backend.plan(pool, batch, buffer)))
+            if pool == 0:
+                tokens += len(batch.new_tokens)
+        if self.engine is not None:
+            self.engine.prepare(tokens)
+        marks = _Marks(self._timed)
+        marks.record("start")
         copied = copy_bytes = 0
-        with timer.span("copy"):
+        with marks.side(self.copy_stream):
             for pool, ops in by_pool.items():
                 n = self.copier.run(pool, ops, step)
                 copied += n
                 copy_bytes += n * self.pools[pool].slot_bytes
+        if self.engine is not None:
+            self.engine.run(tokens)
+        marks.record("linear")
+        marks.join()
+        for pool, batch, new_kv, _, _ in whole:
+            write_kv(self.pools[pool].gpu, batch, new_kv)
+        marks.record("write")
+        outs = [self.backend.run(self.pools[pool].gpu, batch, q, plan)
+                for pool, batch, _, q, plan in whole]
         worst = 0.0
         mismatch = None
-        for pool, batch in self._batches(items):
+        for pool, batch, new_kv, q in layered:
             tensors = self.pools[pool]
-            kv = tensors.gpu
-            rows = self.model.rows(batch.new_tokens, batch.new_positions)
-            self.backend.plan(batch)
-            if check:
-                self.verifier.begin(batch)
             for local, layer in enumerate(tensors.spec.layers):
-                k, v, q = self.model.qkv(rows, layer)
-                k, v, q = k.to(self._kv_dtype), v.to(self._kv_dtype), q.to(self._q_dtype)
-                with timer.span("write"):
-                    self.backend.write(kv, batch, local, k, v)
-                with timer.span("attention"):
-                    out = self.backend.run(kv, batch, local, q)
+                part = batch.layer_slice(local)
+                write_kv(tensors.gpu, part, new_kv[local:local + 1])
+                out = self.backend.run(tensors.gpu, part, q[local:local + 1],
+                                       self.backend.plan(pool, part, buffer))
                 if check:
-                    err, found = self.verifier.check(step, kv, batch, pool, local, layer, q, out)
+                    err, found = self.verifier.check(step, tensors.gpu, part, pool, (layer,),
+                                                     q[local:local + 1], out)
                     worst = max(worst, err)
                     mismatch = mismatch or found
-        times = timer.totals()
+        marks.record("attention")
+        self.host_s += time.perf_counter() - t0
+        if self.lazy_times:
+            self._pending.append(marks)
+            times = None
+        else:
+            times = marks.totals()
+        if check:
+            for (pool, batch, _, q, _), out in zip(whole, outs):
+                tensors = self.pools[pool]
+                err, found = self.verifier.check(step, tensors.gpu, batch, pool,
+                                                 tensors.spec.layers, q, out)
+                worst = max(worst, err)
+                mismatch = mismatch or found
         self.copied_blocks += copied
         self.copy_bytes += copy_bytes
-        if times is not None:
-            self.copy_ms += times["copy"]
-            self.write_ms += times["write"]
-            self.attention_ms += times["attention"]
+        self._add_times(times)
         if check:
             self.verified_steps += 1
             self.max_abs_err = max(self.max_abs_err, worst)
             self.first_mismatch = self.first_mismatch or mismatch
+        self.wall_s += time.perf_counter() - t_start
+        t = times or {}
         return StepCheck(
             step=step, verified=(mismatch is None) if check else None,
             max_abs_err=worst if check else None, mismatch=mismatch, copied_blocks=copied,
-            copy_bytes=copy_bytes,
-            attention_ms=times["attention"] if times else None,
-            write_ms=times["write"] if times else None,
-            copy_ms=times["copy"] if times else None)
+            copy_bytes=copy_bytes, attention_ms=t.get("attention"), write_ms=t.get("write"),
+            copy_ms=t.get("copy"), linear_ms=t.get("linear"), step_ms=t.get("step"))
+
+    def _add_times(self, times: dict[str, float] | None) -> None:
+        if times is not None:
+            for name in PHASES:
+                self.times[name] += times[name]
 
     def metrics(self) -> dict:
         """Run-level metrics for the result JSON (`verified` is None when no step was
-        checked); times only on CUDA, where they are measured, with `time_source: measured`
-        (a loop whose step times still come from a modeled clock must keep its own label)."""
+        checked); kernel times only on CUDA, where they are measured, with
+        `time_source: measured` (a serve loop sets the label of its own clock)."""
+        while self._pending:
+            self._add_times(self._pending.popleft().totals())
         checked = self.verified_steps > 0
         out = {
             "verified": (self.first_mismatch is None) if checked else None,
@@ -183,16 +259,22 @@ class DataPlane:
             "data_plane_steps": self.steps,
             "verified_steps": self.verified_steps,
             "copy_bytes": self.copy_bytes,
+            "data_plane_wall_s": self.wall_s,
+            "data_plane_host_ms_per_step": 1e3 * self.host_s / self.steps if self.steps else 0.0,
         }
         if self._timed:
+            t = self.times
             out.update({
                 "time_source": "measured",
-                "attention_ms": self.attention_ms,
-                "kv_write_ms": self.write_ms,
-                "copy_ms": self.copy_ms,
-                "copy_gb_per_s": (self.copy_bytes / self.copy_ms / 1e6
-                                  if self.copy_bytes and self.copy_ms else None),
+                "attention_ms": t["attention"],
+                "kv_write_ms": t["write"],
+                "copy_ms": t["copy"],
+                "copy_gb_per_s": (self.copy_bytes / t["copy"] / 1e6
+                                  if self.copy_bytes and t["copy"] else None),
+                "data_plane_gpu_ms": t["step"],
             })
+            if self.engine is not None:
+                out["linear_ms"] = t["linear"]
         return out
 
     def _batches(self, items: Sequence[StepItem]):
@@ -210,42 +292,66 @@ class DataPlane:
                                            decode=decode)
 
 
-class _Timer:
-    """Sums CUDA-event spans per name; a no-op on CPU, where kvbench reports no times."""
+PHASES = ("copy", "linear", "write", "attention", "step")
+"""Measured spans of a step: copies (on their own stream, from the step's start), the
+engine's linear layers, K/V writes, attention, and the whole step."""
 
-    __slots__ = ("enabled", "_spans")
+
+class _Marks:
+    """CUDA events at the step's phase boundaries (a no-op on CPU, where kvbench reports no
+    times). Work on the side stream starts at `start`; `join` makes the compute stream wait
+    for it."""
+
+    __slots__ = ("enabled", "events", "_side_end")
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._spans: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.events: dict[str, torch.cuda.Event] = {}
+        self._side_end = None
 
-    def span(self, name: str) -> _Span:
-        return _Span(self, name)
+    def record(self, name: str) -> None:
+        if self.enabled:
+            ev = self.events[name] = torch.cuda.Event(enable_timing=True)
+            ev.record()
+
+    def side(self, stream):
+        return _Side(self, stream)
+
+    def join(self) -> None:
+        if self.enabled:
+            torch.cuda.current_stream().wait_event(self._side_end)
 
     def totals(self) -> dict[str, float] | None:
         if not self.enabled:
             return None
-        torch.cuda.synchronize()
-        out = {"copy": 0.0, "write": 0.0, "attention": 0.0}
-        for name, start, end in self._spans:
-            out[name] += start.elapsed_time(end)
-        return out
+        e = self.events
+        e["attention"].synchronize()
+        self._side_end.synchronize()
+        start = e["start"]
+        return {
+            "copy": start.elapsed_time(self._side_end),
+            "linear": start.elapsed_time(e["linear"]),
+            "write": e["linear"].elapsed_time(e["write"]),
+            "attention": e["write"].elapsed_time(e["attention"]),
+            "step": start.elapsed_time(e["attention"]),
+        }
 
 
-class _Span:
-    __slots__ = ("timer", "name", "start")
+class _Side:
+    __slots__ = ("marks", "stream", "ctx")
 
-    def __init__(self, timer: _Timer, name: str) -> None:
-        self.timer = timer
-        self.name = name
+    def __init__(self, marks: _Marks, stream) -> None:
+        self.marks = marks
+        self.stream = stream
 
     def __enter__(self) -> None:
-        if self.timer.enabled:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
+        if self.marks.enabled:
+            self.stream.wait_event(self.marks.events["start"])
+            self.ctx = torch.cuda.stream(self.stream)
+            self.ctx.__enter__()
 
     def __exit__(self, *exc) -> None:
-        if self.timer.enabled:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.timer._spans.append((self.name, self.start, end))
+        if self.marks.enabled:
+            end = self.marks._side_end = torch.cuda.Event(enable_timing=True)
+            end.record(self.stream)
+            self.ctx.__exit__(*exc)

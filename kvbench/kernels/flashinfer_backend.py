@@ -2,15 +2,15 @@
 
 Context items run through `BatchPrefillWithPagedKVCacheWrapper` (causal), decode items through
 `BatchDecodeWithPagedKVCacheWrapper`, both with `window_left = W - 1` for a sliding-window
-pool; new K/V go in with `append_paged_kv_cache`. A plan is made once per batch per step and
-reused for every layer of the pool: page indices are planned for the pool's first layer
-(`slot * L`) and layer `l` runs on the cache tensor viewed from page `l` on, which shifts every
-index by `l`. A batch with scratch pages (the same page in every layer) cannot shift that way,
-so it is planned per layer.
+pool. A batch is planned once per step for every
+layer of its pool at once: each (item, layer) is one entry of the plan with that layer's page
+indices (`slot * L + l`, or the scratch page), so one kernel launch runs the whole step's
+attention of that kind. New K/V go in with one scatter over all layers (`attention.write_kv`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .attention import PagedBatch
@@ -54,61 +54,76 @@ class FlashInferBackend:
         self.shape = shape
         self.q_dtype = QUERY_DTYPES[shape.dtype]
         self.kv_dtype = STORAGE_DTYPES[shape.dtype]
-        ws = [torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device) for _ in range(2)]
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            ws[0], "NHD", backend=kernel_backend)
-        # Tensor-core decode runs the prefill kernels' JIT module (one compile fewer) and is
-        # FlashInfer's advice for grouped queries.
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            ws[1], "NHD", use_tensor_cores=True, backend=kernel_backend)
-        self._planned: tuple[int, int] | None = None
-        self._tables: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.device = device
+        self.kernel_backend = kernel_backend
+        # One wrapper per batch of a step (plans must live until their batch runs): a step
+        # has one context and one decode batch per pool; two sets for alternate steps.
+        self._wrappers: dict[tuple[int, bool, int], object] = {}
 
-    def plan(self, batch: PagedBatch) -> None:
-        self._tables = {}
-        self._planned = None
-        if not batch.has_scratch:
-            self._plan(batch, 0)
-
-    def write(self, kv: torch.Tensor, batch: PagedBatch, layer: int, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        cache, (indptr, indices, last, batch_idx, positions) = self._layer(kv, batch, layer)
-        self._fi.append_paged_kv_cache(
-            k.to(self.kv_dtype), v.to(self.kv_dtype), batch_idx, positions, cache, indices,
-            indptr, last, kv_layout="NHD")
-
-    def run(self, kv: torch.Tensor, batch: PagedBatch, layer: int, q: torch.Tensor
-            ) -> torch.Tensor:
-        cache, _ = self._layer(kv, batch, layer)
-        wrapper = self._decode if batch.decode else self._prefill
-        return wrapper.run(q.to(self.q_dtype), cache)
-
-    def _layer(self, kv: torch.Tensor, batch: PagedBatch, layer: int):
-        if batch.has_scratch:
-            if self._planned != (id(batch), layer):
-                self._plan(batch, layer)
-            return kv, self._tables[layer]
-        return kv[layer:], self._tables[0]
-
-    def _plan(self, batch: PagedBatch, layer: int) -> None:
+    def warm_up(self, windows) -> None:
+        """Build (JIT) and load the kernels a run needs, before anything is timed: the causal
+        prefill and the tensor-core decode kernels, with and without a sliding window as the
+        pools have them, on a one-page cache."""
         s = self.shape
+        kv = torch.zeros((1, 2, s.tokens_per_block, s.num_kv_heads, s.head_dim),
+                         dtype=self.kv_dtype, device=self.device)
+        q = torch.zeros((1, s.num_q_heads, s.head_dim), dtype=self.q_dtype, device=self.device)
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        for window in sorted(set(windows), key=lambda w: -1 if w is None else w):
+            window_left = window - 1 if window is not None else -1
+            for decode in (False, True):
+                w = self._wrapper(0, decode)
+                self._plan_tables(w, decode, one, one, torch.zeros(1, dtype=torch.int32,
+                                  device=self.device), torch.tensor([1], dtype=torch.int32),
+                                  s.tokens_per_block, window_left)
+                w.run(q, kv)
+        torch.cuda.synchronize(self.device)
 
-        def i32(a) -> torch.Tensor:
-            return torch.as_tensor(a, dtype=torch.int32).to(batch.device, non_blocking=True)
+    def _wrapper(self, pool: int, decode: bool, buffer: int = 0):
+        key = (pool, decode, buffer)
+        w = self._wrappers.get(key)
+        if w is None:
+            ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            fi = self._fi
+            if decode:
+                # Tensor-core decode runs the prefill kernels' JIT module (one compile fewer)
+                # and is FlashInfer's advice for grouped queries.
+                w = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    ws, "NHD", use_tensor_cores=True, backend=self.kernel_backend)
+            else:
+                w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD",
+                                                           backend=self.kernel_backend)
+            self._wrappers[key] = w
+        return w
 
-        indptr = i32(batch.kv_indptr)
-        indices = batch.layer_pages(layer).to(torch.int32)
-        last = i32(batch.last_page_len)
-        window_left = batch.window - 1 if batch.window is not None else -1
-        if batch.decode:
-            self._decode.plan(
-                indptr, indices, last, s.num_q_heads, s.num_kv_heads, s.head_dim, batch.tpb,
-                pos_encoding_mode="NONE", window_left=window_left, q_data_type=self.q_dtype,
-                kv_data_type=self.kv_dtype)
+    def _plan_tables(self, w, decode: bool, qo, kv_indptr, indices, last, tpb: int,
+                     window_left: int) -> None:
+        s = self.shape
+        if decode:
+            w.plan(kv_indptr, indices, last, s.num_q_heads, s.num_kv_heads, s.head_dim, tpb,
+                   pos_encoding_mode="NONE", window_left=window_left,
+                   q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, non_blocking=True)
         else:
-            self._prefill.plan(
-                i32(batch.qo_indptr), indptr, indices, last, s.num_q_heads, s.num_kv_heads,
-                s.head_dim, batch.tpb, causal=True, window_left=window_left,
-                q_data_type=self.q_dtype, kv_data_type=self.kv_dtype)
-        self._tables[layer] = (indptr, indices, last, i32(batch.tok_batch), i32(batch.tok_rel))
-        self._planned = (id(batch), layer)
+            w.plan(qo, kv_indptr, indices, last, s.num_q_heads, s.num_kv_heads, s.head_dim,
+                   tpb, causal=True, window_left=window_left, q_data_type=self.q_dtype,
+                   kv_data_type=self.kv_dtype, non_blocking=True)
+
+    def plan(self, pool: int, batch: PagedBatch, buffer: int = 0):
+        """One plan for every layer of the batch: entry `l * n + i` is item `i` at layer `l`
+        (`PagedBatch.layer_tables`), page indices are the layer's own (scratch pages the
+        same in every layer). `buffer` picks one of the wrapper sets that consecutive steps
+        alternate between. Returns the planned wrapper, for `run`."""
+        # Pinned: FlashInfer copies them to the GPU, which from pageable memory would make
+        # the host wait.
+        qo, kv_indptr, last = (torch.from_numpy(a.astype(np.int32)).pin_memory()
+                               for a in batch.layer_tables())
+        indices = batch.pages_dev.view(-1).to(torch.int32)
+        window_left = batch.window - 1 if batch.window is not None else -1
+        w = self._wrapper(pool, batch.decode, buffer)
+        self._plan_tables(w, batch.decode, qo, kv_indptr, indices, last, batch.tpb, window_left)
+        return w
+
+    def run(self, kv: torch.Tensor, batch: PagedBatch, q: torch.Tensor, plan) -> torch.Tensor:
+        """Attention of every layer: q `[L, queries, q_heads, d]` (query type) -> same shape."""
+        L, n = q.shape[:2]
+        return plan.run(q.reshape(L * n, *q.shape[2:]), kv).view(q.shape)

@@ -13,12 +13,18 @@ position is caught like a wrong block.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
+from .attention import to_device
 from .step import ModelShape
 
 TABLE_ROWS = 1024
+MAX_TEMP_BYTES = 256 * 1024 * 1024
+"""Float32 temporaries of one `qkv_all` layer group (a long prefill chunk at many layers would
+otherwise hold gigabytes at once)."""
 _MASK = (1 << 64) - 1
 _TOKEN_SALT = 0x5EED_0001
 _POS_SALT = 0x5EED_0002
@@ -42,7 +48,8 @@ def _rows(x: np.ndarray, salt: int) -> np.ndarray:
 class SyntheticModel:
     """Q/K/V generator for one `ModelShape`; tables live on `device`."""
 
-    __slots__ = ("shape", "device", "_tables", "_offsets", "_token_gain", "_pos_gain", "_split")
+    __slots__ = ("shape", "device", "_tables", "_offsets", "_token_gain", "_pos_gain", "_split",
+                 "_layer_index")
 
     def __init__(self, shape: ModelShape, seed: int, device: torch.device) -> None:
         self.shape = shape
@@ -59,26 +66,72 @@ class SyntheticModel:
         # Each part sums two N(0, 1) rows; scaled so K, V and Q entries are N(0, 1) again.
         self._token_gain = (signs[0] * (0.8 / 2**0.5)).float().to(device)
         self._pos_gain = (signs[1] * (0.6 / 2**0.5)).float().to(device)
+        # Device copies of layer lists, made once: a host-to-device copy per step would make
+        # the host wait for the GPU.
+        self._layer_index: dict[tuple[int, ...], torch.Tensor] = {}
 
     def rows(self, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Table rows of `(tokens[i], positions[i])`, shape [4, n], on the device: computed
         once per step and reused for every layer."""
         both = np.concatenate([_rows(np.asarray(tokens, dtype=np.int64), _TOKEN_SALT),
                                _rows(np.asarray(positions, dtype=np.int64), _POS_SALT)])
-        return torch.from_numpy(both).to(self.device)
+        return to_device([both], self.device)[0]
 
     def qkv(self, rows: torch.Tensor, layer: int, *, with_q: bool = True
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """float32 K, V `[n, kv_heads, head_dim]` and Q `[n, q_heads, head_dim]` of `layer`."""
+        x = self._project(rows, slice(layer, layer + 1), with_q)[0]
+        return self._split_heads(x, with_q)
+
+    def qkv_all(self, rows: torch.Tensor, layers: Sequence[int], kv_dtype: torch.dtype,
+                q_dtype: torch.dtype | None, max_bytes: int = MAX_TEMP_BYTES
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K/V of every layer in `layers` as `[len(layers), n, 2, kv_heads, head_dim]` of
+        `kv_dtype` (a page's K-then-V layout per token) and Q as `[len(layers), n, q_heads,
+        head_dim]` of `q_dtype` (None: no Q). Values are bit-identical to `qkv` per layer: the
+        same elementwise float32 ops, broadcast over layers; layers go in groups so that the
+        float32 temporaries stay under `max_bytes`."""
+        s = self.shape
         kv, _, q = self._split
+        with_q = q_dtype is not None
         w = 2 * kv + (q if with_q else 0)
+        n = rows.shape[1]
+        key = tuple(layers)
+        lay = self._layer_index.get(key)
+        if lay is None:
+            lay = self._layer_index[key] = torch.as_tensor(key, dtype=torch.int64).to(self.device)
+        kv_out = torch.empty((len(lay), n, 2 * kv), dtype=kv_dtype, device=self.device)
+        q_out = (torch.empty((len(lay), n, q), dtype=q_dtype, device=self.device)
+                 if with_q else None)
+        token, pos = self._parts(rows, w)
+        group = max(1, max_bytes // max(1, 4 * n * w))
+        for g0 in range(0, len(lay), group):
+            sel = lay[g0:g0 + group]
+            x = (token * self._token_gain[sel, None, :w]
+                 + pos * self._pos_gain[sel, None, :w])
+            kv_out[g0:g0 + group] = x[..., :2 * kv]
+            if with_q:
+                q_out[g0:g0 + group] = x[..., 2 * kv:]
+        kv_out = kv_out.view(len(lay), n, 2, s.num_kv_heads, s.head_dim)
+        if with_q:
+            q_out = q_out.view(len(lay), n, s.num_q_heads, s.head_dim)
+        return kv_out, q_out
+
+    def _parts(self, rows: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         # One gather for all four tables: rows of table i sit at offset i * TABLE_ROWS.
         flat = self._tables.view(4 * TABLE_ROWS, -1)
         g = flat.index_select(0, (rows + self._offsets).reshape(-1)).view(4, -1, flat.shape[1])
-        token = g[0, :, :w] + g[1, :, :w]
-        pos = g[2, :, :w] + g[3, :, :w]
-        x = token * self._token_gain[layer, :w] + pos * self._pos_gain[layer, :w]
+        return g[0, :, :w] + g[1, :, :w], g[2, :, :w] + g[3, :, :w]
+
+    def _project(self, rows: torch.Tensor, layers: slice, with_q: bool) -> torch.Tensor:
+        kv, _, q = self._split
+        w = 2 * kv + (q if with_q else 0)
+        token, pos = self._parts(rows, w)
+        return token * self._token_gain[layers, None, :w] + pos * self._pos_gain[layers, None, :w]
+
+    def _split_heads(self, x: torch.Tensor, with_q: bool):
         s = self.shape
+        kv = self._split[0]
         k = x[:, :kv].reshape(-1, s.num_kv_heads, s.head_dim)
         v = x[:, kv:2 * kv].reshape(-1, s.num_kv_heads, s.head_dim)
         if not with_q:

@@ -195,3 +195,8 @@ class StepCheck:
     """Kernel time of the attention calls; measured with CUDA events, None on CPU."""
     write_ms: float | None
     copy_ms: float | None
+    linear_ms: float | None = None
+    """The engine's linear layers (with a measured clock; 0 without)."""
+    step_ms: float | None = None
+    """The whole step's GPU time: copies overlapping the linear layers, then K/V writes and
+    attention (what a measured clock takes as the step's duration)."""

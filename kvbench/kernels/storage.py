@@ -59,6 +59,13 @@ class PoolTensors:
         return t.view(torch.uint8).view(t.shape[0] // self.num_layers, -1)
 
 
+def pool_bytes(shape: ModelShape, spec: PoolSpec) -> int:
+    """GPU bytes of one pool's tensor (its slots and scratch slots, every layer)."""
+    page = 2 * shape.tokens_per_block * shape.num_kv_heads * shape.head_dim
+    size = STORAGE_DTYPES[shape.dtype].itemsize
+    return (spec.num_gpu_slots + spec.num_scratch_slots) * len(spec.layers) * page * size
+
+
 def make_pools(shape: ModelShape, specs: Sequence[PoolSpec], device: torch.device
                ) -> list[PoolTensors]:
     seen: set[int] = set()

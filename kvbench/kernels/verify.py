@@ -4,8 +4,13 @@ Two checks per item and layer. First the K/V every query of the step reads, fetc
 the page table, must equal bit for bit what the synthetic model gives for those (token,
 position, layer)s, rounded to the storage type: a wrong page, a skipped or misdirected copy,
 a block overwritten after it was claimed, or a block reused at another position shows up
-here, whatever the tolerances. Then the backend's output must match `attend` on the
-recomputed K/V within the tolerance of the dtype.
+here, whatever the tolerances. Then the backend's output must match the reference attention
+(`attention.attend_segments`) on the recomputed K/V within the tolerance of the dtype.
+
+A batch is checked in tiles of items and layers (all layers at once unless an item's keys are
+too many for the memory budget), and the verdicts of every item and layer reach the host in
+one copy; the first mismatch in (layer, item) order is reported, a K/V mismatch before an
+attention one.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .attention import PagedBatch, attend, gather_kv
+from .attention import PagedBatch, attend_segments, gather_keys, tile_bytes, tiles
 from .model import SyntheticModel
 from .step import Mismatch, StepItem
 from .storage import STORAGE_DTYPES
@@ -33,77 +38,113 @@ float32 runs only on the torch backend, whose reference is the same float32 arit
 
 
 class Verifier:
-    """Checks one batch layer by layer: `begin` once per batch, then `check` per layer.
-    `origin(pool, block)` names the copy that last filled a GPU block, for the report."""
+    """Checks one batch of one pool, every layer at once. `origin(pool, block)` names the
+    copy that last filled a GPU block, for the report."""
 
-    __slots__ = ("model", "dtype", "atol", "rtol", "origin", "_ref")
+    __slots__ = ("model", "dtype", "atol", "rtol", "origin")
 
     def __init__(self, model: SyntheticModel, dtype: str, origin) -> None:
         self.model = model
         self.dtype = STORAGE_DTYPES[dtype]
         self.atol, self.rtol = TOLERANCES[dtype]
         self.origin = origin
-        self._ref: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def begin(self, batch: PagedBatch) -> None:
-        """Per item: the first position any query reads, and the table rows, key positions
-        and query positions of the reference, shared by all layers."""
-        dev = self.model.device
-        self._ref = []
-        for i, it in enumerate(batch.items):
-            kv0 = int(batch.kv_start[i])
-            lo = max(kv0, it.start - batch.window + 1) if batch.window else kv0
-            positions = np.arange(lo, it.end, dtype=np.int64)
-            rows = self.model.rows(np.asarray(it.tokens[lo:it.end], dtype=np.int64), positions)
-            self._ref.append((lo, rows, torch.from_numpy(positions).to(dev),
-                              torch.arange(it.start, it.end, device=dev)))
+    def check(self, step: int, kv: torch.Tensor, batch: PagedBatch, pool: int,
+              layers: tuple[int, ...], q: torch.Tensor, out: torch.Tensor
+              ) -> tuple[float, Mismatch | None]:
+        """(max abs output error, first mismatch) over the batch's items and the pool's
+        `layers` (model layer ids); q and out are `[L, queries, q_heads, d]`."""
+        keys = batch.item_keys(windowed=True)
+        L, n = len(layers), len(batch.items)
+        dev = kv.device
+        s = self.model.shape
+        kv_bad = torch.zeros((L, n), dtype=torch.float32, device=dev)
+        err_q = torch.zeros((L, int(batch.qo_indptr[-1])), dtype=torch.float32, device=dev)
+        ref_q = torch.zeros_like(err_q)
+        per_key = 2 * s.num_kv_heads * s.head_dim * 4
+        budget = tile_bytes(dev)
+        bits = _BITS[kv.element_size()]
+        rows_of: tuple[slice, torch.Tensor] | None = None
+        for lay, items in tiles(np.diff(keys.indptr), L, per_key, budget):
+            k0, k1 = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
+            if rows_of is None or rows_of[0] != items:
+                rows_of = items, self.model.rows(batch_tokens(batch, keys, items),
+                                                 keys.positions[k0:k1])
+            want, _ = self.model.qkv_all(rows_of[1], layers[lay], self.dtype, None)
+            got = gather_keys(kv, batch, keys, lay, items)
+            # Bit for bit: any other bits than the model's (NaN included) are wrong.
+            wrong = (got.view(bits) != want.view(bits)).flatten(2).any(-1).float()
+            key_item = torch.from_numpy(keys.item[k0:k1]).to(dev)
+            kv_bad[lay].scatter_reduce_(1, key_item.expand(wrong.shape[0], -1), wrong, "amax")
+            del got
+            want = want.float()
+            q0 = int(batch.qo_indptr[items.start])
+            for a, b, ref in attend_segments(q[lay, q0:int(batch.qo_indptr[items.stop])],
+                                             want[:, :, 0], want[:, :, 1], batch, keys, items,
+                                             batch.window, budget):
+                o = out[lay, q0 + a:q0 + b].float()
+                err_q[lay, q0 + a:q0 + b] = (o - ref).abs().amax(dim=(2, 3))
+                ref_q[lay, q0 + a:q0 + b] = ref.abs().amax(dim=(2, 3))
+        tok_item = torch.from_numpy(batch.tok_batch).to(dev).expand(L, -1)
+        nan_q = torch.isnan(err_q).float()
+        err_item = torch.zeros((L, n), dtype=torch.float32, device=dev).scatter_reduce_(
+            1, tok_item, torch.nan_to_num(err_q, nan=0.0), "amax")
+        ref_item = torch.zeros_like(err_item).scatter_reduce_(1, tok_item, ref_q, "amax")
+        nan_item = torch.zeros_like(err_item).scatter_reduce_(1, tok_item, nan_q, "amax")
+        attn_bad = (nan_item > 0) | (err_item > self.atol + self.rtol * ref_item)
+        verdict = torch.stack([kv_bad, attn_bad.float(), err_item]).cpu().numpy()
+        worst = float(verdict[2].max()) if verdict[2].size else 0.0
+        bad = (verdict[0] > 0) | (verdict[1] > 0)
+        if not bad.any():
+            return worst, None
+        l, i = (int(x) for x in np.argwhere(bad)[0])
+        it = batch.items[i]
+        if verdict[0, l, i] > 0:
+            # Recompute the item's keys at that layer for the report.
+            one = slice(i, i + 1)
+            k0, k1 = int(keys.indptr[i]), int(keys.indptr[i + 1])
+            rows = self.model.rows(batch_tokens(batch, keys, one), keys.positions[k0:k1])
+            want, _ = self.model.qkv_all(rows, (layers[l],), self.dtype, None)
+            got = gather_keys(kv, batch, keys, slice(l, l + 1), one)
+            d = (got.float() - want.float()).abs().amax(dim=(2, 3, 4))[0].cpu().numpy()
+            j = int(np.argmax(~(d == 0)))
+            return worst, self._mismatch(step, it, batch, pool, i, l, layers[l], "kv",
+                                         int(keys.lo[i]) + j, float(d[j]), 0.0)
+        q0, q1 = int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1])
+        e = err_q[l, q0:q1].cpu().numpy()
+        j = int(np.argmax(np.nan_to_num(e, nan=np.inf)))
+        tol = self.atol + self.rtol * float(ref_item[l, i])
+        return worst, self._mismatch(step, it, batch, pool, i, l, layers[l], "attention",
+                                     it.start + j, float(e.max()), tol)
 
-    def check(self, step: int, kv: torch.Tensor, batch: PagedBatch, pool: int, local: int,
-              layer: int, q: torch.Tensor, out: torch.Tensor) -> tuple[float, Mismatch | None]:
-        """(max abs output error, first mismatch) over the batch's items at one layer;
-        `local` is the layer's index in the pool, `layer` its index in the model."""
-        pages = batch.layer_pages(local)
-        worst = 0.0
-        for i, it in enumerate(batch.items):
-            lo, rows, k_pos, q_pos = self._ref[i]
-            kv0 = int(batch.kv_start[i])
-            item_pages = batch.item_pages(pages, i)
-            k, v = gather_kv(kv, item_pages, int(batch.kv_len[i]))
-            k, v = k[lo - kv0:], v[lo - kv0:]
-            ek, ev, _ = self.model.qkv(rows, layer, with_q=False)
-            ek = ek.to(self.dtype).float()
-            ev = ev.to(self.dtype).float()
-            diff = torch.maximum((k - ek).abs().amax(dim=(1, 2)), (v - ev).abs().amax(dim=(1, 2)))
-            # NaN compares unequal, so it is caught like any wrong value.
-            bad = torch.nonzero(~(diff == 0))
-            if len(bad):
-                j = int(bad[0])
-                return worst, self._mismatch(step, it, batch, item_pages, pool, layer, "kv",
-                                             lo + j, float(diff[j]), 0.0)
-            q0, q1 = int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1])
-            ref = attend(q[q0:q1], ek, ev, q_pos, k_pos, batch.window)
-            err_per_query = (out[q0:q1].float() - ref).abs().amax(dim=(1, 2))
-            err = float(err_per_query.max())
-            tol = self.atol + self.rtol * float(ref.abs().max())
-            if not err <= tol:
-                j = int(torch.argmax(torch.nan_to_num(err_per_query, nan=float("inf"))))
-                return max(worst, err), self._mismatch(
-                    step, it, batch, item_pages, pool, layer, "attention", it.start + j, err, tol)
-            worst = max(worst, err)
-        return worst, None
-
-    def _mismatch(self, step: int, it: StepItem, batch: PagedBatch, item_pages: torch.Tensor,
-                  pool: int, layer: int, kind: str, position: int, error: float,
+    def _mismatch(self, step: int, it: StepItem, batch: PagedBatch, pool: int, i: int,
+                  local: int, layer: int, kind: str, position: int, error: float,
                   tolerance: float) -> Mismatch:
         index = position // batch.tpb
         entry = index - it.first_block
-        page = int(item_pages[entry])
+        page = int(batch.pages[int(batch.kv_indptr[i]) + entry])
         scratch = it.scratch is not None and index in it.scratch
         if scratch:
             block_id, tier = None, "scratch"
         else:
+            page += local
             block_id = int(it.blocks[entry])
             source = self.origin(pool, block_id)
             tier = f"GPU ({source})" if source else "GPU"
         return Mismatch(step, it.request_id, layer, kind, position, index, block_id, page, tier,
                         error, tolerance)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+"""Integer views of the storage types, by element size, for bitwise comparison."""
+
+
+def batch_tokens(batch: PagedBatch, keys, items: slice) -> np.ndarray:
+    """Token ids of the keys of `items` (each item's tokens at its key positions)."""
+    k0 = int(keys.indptr[items.start])
+    out = np.empty(int(keys.indptr[items.stop]) - k0, np.int64)
+    for i in range(items.start, items.stop):
+        a, b = int(keys.indptr[i]), int(keys.indptr[i + 1])
+        p0 = int(keys.positions[a]) if b > a else 0
+        out[a - k0:b - k0] = np.asarray(batch.items[i].tokens[p0:p0 + b - a], dtype=np.int64)
+    return out

@@ -1,0 +1,82 @@
+"""Data-plane speed at a real model shape (CUDA): issue 17's slice of the Mooncake trace.
+
+    python benchmarks/bench_dataplane.py [--requests 8] [--set key=value ...] [--json PATH]
+
+Runs `workloads/mooncake-conversation-serve.yaml` limited to its first N requests (Llama-3-8B
+shape, 32 layers, bf16, tokens_per_block 64) with a 128K-token cache on the FlashInfer data
+plane, once with `verify: off` and once with `verify: sample`, and prints per run: steps,
+data-plane wall seconds (execute_step, GPU waits included; FlashInfer's JIT warm-up happens
+when the plane opens, outside it), host milliseconds per step (everything but waiting for the
+GPU), the GPU time of the steps and its phases. Targets (issue 17, 8 requests): wall <= 3 s,
+host <= 1 ms per step, sample <= 2x off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvbench.config import load_workload  # noqa: E402
+from kvbench.runner import run_workload  # noqa: E402
+
+WORKLOAD = ROOT / "workloads" / "mooncake-conversation-serve.yaml"
+SLICE = ("cache.max_tokens=131072", "run.backend=flashinfer", "run.progress=false")
+KEYS = ("iterations", "data_plane_steps", "verified_steps", "verified", "max_abs_err",
+        "data_plane_wall_s", "data_plane_host_ms_per_step", "data_plane_gpu_ms",
+        "attention_ms", "kv_write_ms", "copy_ms", "wall_s")
+
+
+def run(requests: int, verify: str, sets: list[str]) -> dict:
+    wl = load_workload(WORKLOAD, [*SLICE, f"requests.limit={requests}", f"run.verify='{verify}'",
+                                  *sets])
+    m = run_workload(wl)[0].metrics
+    return {k: m.get(k) for k in KEYS}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--host-profile", action="store_true",
+                    help="a third run (verify off) under cProfile: the top host functions")
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench_dataplane needs CUDA")
+    result = {"device": torch.cuda.get_device_name(), "requests": args.requests,
+              "workload": str(WORKLOAD.relative_to(ROOT)), "sets": [*SLICE, *args.sets]}
+    for verify in ("off", "sample"):
+        r = result[verify] = run(args.requests, verify, args.sets)
+        print(f"{result['device']} verify {verify:6s}: {r['data_plane_steps']} steps, data plane "
+              f"{r['data_plane_wall_s']:.2f} s wall, host {r['data_plane_host_ms_per_step']:.3f} "
+              f"ms/step, GPU {r['data_plane_gpu_ms']:.0f} ms (attention {r['attention_ms']:.0f}, "
+              f"K/V writes {r['kv_write_ms']:.0f}, copies {r['copy_ms']:.0f}); verified "
+              f"{r['verified']} over {r['verified_steps']} steps", flush=True)
+    result["sample_over_off"] = (result["sample"]["data_plane_wall_s"]
+                                 / result["off"]["data_plane_wall_s"])
+    print(f"verify sample / off: {result['sample_over_off']:.2f}x")
+    if args.host_profile:
+        # Where the host time goes (cProfile slows Python down: shares, not totals).
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(run, args.requests, "off", args.sets)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+        result["host_profile"] = text.getvalue()
+        print(result["host_profile"])
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

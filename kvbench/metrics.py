@@ -345,6 +345,21 @@ _m("copy_ms", "number", "ms", "copy time (measured)", "Data plane", format_ms, M
 _m("copy_gb_per_s", "number", "GB/s", "copy bandwidth (measured)", "Data plane", format_rate,
    Rule("higher", scope="measured"), needs="cuda", nullable=True,
    description="copy_bytes / copy_ms (null when nothing was copied).")
+_m("linear_ms", "number", "ms", "linear layers time (measured)", "Data plane", format_ms,
+   MEASURED_LOWER, needs="cuda", nullable=True,
+   description="GPU time of the engine's linear layers (run.clock: measured; null without).")
+_m("data_plane_gpu_ms", "number", "ms", "data plane GPU time (measured)", "Data plane",
+   format_ms, MEASURED_LOWER, needs="cuda",
+   description="GPU time of the steps (copies overlapping the linear layers, K/V writes, "
+               "attention), CUDA events; with run.clock: measured, the sum of step times.")
+_m("data_plane_wall_s", "number", "s", "data plane wall time", "Data plane", format_seconds,
+   INFO, needs="data_plane",
+   description="Wall time spent in the data plane's steps, waits for the GPU and "
+               "verification included; never a gate.")
+_m("data_plane_host_ms_per_step", "number", "ms", "data plane host time per step",
+   "Data plane", format_small, INFO, needs="data_plane",
+   description="Host time a step takes to issue its work (page tables, plans, launches), "
+               "waits for the GPU excluded; never a gate.")
 # The harness.
 _m("wall_s", "number", "s", "wall time", "Run", format_seconds, INFO, pinned=True,
    description="Harness wall time, the references included; never a gate.")

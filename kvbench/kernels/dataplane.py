@@ -272,9 +272,8 @@ class DataPlane:
                 "copy_gb_per_s": (self.copy_bytes / t["copy"] / 1e6
                                   if self.copy_bytes and t["copy"] else None),
                 "data_plane_gpu_ms": t["step"],
+                "linear_ms": t["linear"] if self.engine is not None else None,
             })
-            if self.engine is not None:
-                out["linear_ms"] = t["linear"]
         return out
 
     def _batches(self, items: Sequence[StepItem]):

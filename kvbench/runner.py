@@ -139,20 +139,19 @@ def _check_supported(wl: Workload) -> None:
                 and (s.batch_wait_timeout_iters or s.batch_wait_max_tokens_ratio)):
             unsupported.append("cache.swa_scratch_reuse with delay batching in run.mode: serve"
                                " unless scheduler.revert_deferred_ctx")
-    if _windowed(wl) and (wl.requests.beam_width > 1 or any(
-            w > 1 for w in wl.requests.beam_widths or ())):
-        unsupported.append("beam search (requests.beam_width > 1) with sliding-window layers")
     sp = wl.speculative
     if sp.enabled:
         if wl.run.mode != "serve":
             unsupported.append("speculative decoding outside run.mode: serve")
-        if _windowed(wl):
-            unsupported.append("speculative decoding with sliding-window layers")
+        if _windowed(wl) and sp.draft_model is not None:
+            # The mirror repeats every call with the same block ids, which needs one pool of
+            # the same size in both caches; a windowed target has a pool per life cycle.
+            unsupported.append("speculative.draft_model with sliding-window layers (its "
+                               "mirrored cache follows one pool; drafting without a "
+                               "draft_model is supported)")
         if wl.requests.beam_width > 1 or any(w > 1 for w in wl.requests.beam_widths or ()):
             unsupported.append("speculative decoding with beam search (as TensorRT-LLM)")
     if wl.requests.encoder.tokens:
-        if _windowed(wl):
-            unsupported.append("encoder inputs with sliding-window layers")
         if sp.enabled:
             unsupported.append("encoder inputs with speculative decoding")
     if wl.run.clock == "measured":
@@ -289,34 +288,40 @@ def _check_fits(wl: Workload, requests: list[Request], num_blocks: int) -> None:
 def windowed_manager(wl: Workload, requests: list[Request], *,
                      emit_copy_ops: bool = False) -> WindowedCacheManager:
     """The pools of a model with sliding-window layers: one per life cycle, the GPU budget
-    (`cache.max_tokens` tokens of the whole model, in bytes) split by
-    `cache.window_memory_split` against the mean request context (the prompt in cache mode,
-    prompt and output in serve mode), no pool below what the longest request needs to run
-    alone; each pool's host tier is `host_offload_ratio` of its GPU blocks."""
+    (`cache.max_tokens` tokens of the whole model, in bytes, less the cross-attention
+    cache's share) split by `cache.window_memory_split` against the mean request context
+    (the prompt in cache mode, prompt and output in serve mode), no pool below what the
+    largest request needs to run alone (every beam and reserved token counted); each pool's
+    host tier is `host_offload_ratio` of its GPU blocks."""
     c, m = wl.cache, wl.model
     tpb = c.tokens_per_block
     cycles = life_cycles(m.layer_windows)
     per_layer = m.kv_bytes_per_token_per_layer
     slot_bytes = [tpb * cyc.num_layers * per_layer for cyc in cycles]
+    reserve = wl.speculative.max_draft_len + wl.speculative.reserved_tokens
     if wl.run.mode == "serve":
         lengths = [r.input_length + max(r.output_length - 1, 0) for r in requests]
-        floors = [_serve_blocks_bound(wl, cyc, max(lengths)) for cyc in cycles]
+        floors = [max(_serve_blocks_bound(wl, cyc, r, n + reserve)
+                      for r, n in zip(requests, lengths)) for cyc in cycles]
     else:
         lengths = [r.input_length for r in requests]
-        floors = [prefill_blocks_bound(cyc, tpb, max(lengths), c.swa_scratch_reuse)
+        floors = [max(prefill_blocks_bound(cyc, tpb, r.input_length, c.swa_scratch_reuse,
+                                           r.beam_width) for r in requests)
                   for cyc in cycles]
     longest = max(lengths)
     mean = -(-sum(lengths) // len(lengths))
-    budget = c.max_tokens * m.num_layers * per_layer
+    budget = c.max_tokens * m.num_layers * per_layer - _cross_blocks(wl) * block_bytes(wl)
     try:
         blocks = split_gpu_blocks(cycles, budget, slot_bytes, mean,
                                   policy=c.window_memory_split, min_blocks=floors)
     except ValueError:
-        need = sum(f * b for f, b in zip(floors, slot_bytes))
+        need = sum(f * b for f, b in zip(floors, slot_bytes)) + _cross_blocks(wl) * block_bytes(wl)
         raise InputError(
             f"{_where(wl)}: cache.max_tokens: the longest request ({longest} tokens) needs "
-            f"{need} bytes of KV across the attention pools but the cache holds {budget}; "
-            f"raise cache.max_tokens to at least {-(-need // (m.num_layers * per_layer))}"
+            f"{need} bytes of KV across the attention pools (every beam, reserved tokens and "
+            f"the cross-attention share counted) but the cache holds "
+            f"{c.max_tokens * m.num_layers * per_layer}; raise cache.max_tokens to at least "
+            f"{-(-need // (m.num_layers * per_layer))}"
         ) from None
     specs = [CacheSpec(
         tokens_per_block=tpb, num_gpu_blocks=n, num_host_blocks=int(c.host_offload_ratio * n),
@@ -327,19 +332,22 @@ def windowed_manager(wl: Workload, requests: list[Request], *,
     ) for n in blocks]
     return WindowedCacheManager(
         cycles, specs, release_out_of_window=c.release_out_of_window,
-        swa_scratch_reuse=c.swa_scratch_reuse, bytes_per_token_per_layer=per_layer)
+        swa_scratch_reuse=c.swa_scratch_reuse, bytes_per_token_per_layer=per_layer,
+        reserve_tokens=reserve if wl.run.mode == "serve" else 0)
 
 
-def _serve_blocks_bound(wl: Workload, cycle: LifeCycle, length: int) -> int:
-    """Blocks of `cycle` a serve run needs for a `length`-token request to run alone, given
-    that the scheduler charges every pool a chunk's blocks as for full attention: the whole
-    request without a window or without chunked prefill, else a chunk and two windows."""
+def _serve_blocks_bound(wl: Workload, cycle: LifeCycle, request: Request, length: int) -> int:
+    """Blocks of `cycle` a serve run needs for `request` to run alone holding `length`
+    tokens (reserved ones included), given that the scheduler charges every pool a chunk's
+    blocks as for full attention (`grow_blocks`: every beam): the whole request without a
+    window or without chunked prefill, else, per beam, a chunk and two windows."""
     tpb = wl.cache.tokens_per_block
-    blocks = -(-length // tpb)
+    blocks = grow_blocks(tpb, request, 0, length)
     if cycle.window is None or not wl.scheduler.enable_chunked_prefill:
         return blocks
     window = -(-(cycle.window - 1) // tpb) + 2
-    return min(blocks, -(-wl.scheduler.max_num_tokens // tpb) + 1 + 2 * window)
+    per_beam = -(-wl.scheduler.max_num_tokens // tpb) + 1 + 2 * window
+    return min(blocks, request.beam_width * per_beam)
 
 
 def _run_one(

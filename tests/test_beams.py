@@ -305,9 +305,8 @@ def test_beam_keys_in_workloads(tmp_path):
     assert set(widths) == {1, 3} and widths == [r.beam_width for r in _load(wl)]
     (out,) = run_workload(wl)
     assert out.metrics["requests"] == 30 and out.metrics["peak_gpu_blocks"] > 0
-    windowed = load_workload(path, ["model.attention_window=16"])
-    with pytest.raises(InputError, match="beam search"):
-        run_workload(windowed)
+    (windowed,) = run_workload(load_workload(path, ["model.attention_window=16"]))
+    assert windowed.metrics["requests"] == 30 and set(windowed.metrics["pools"]) == {"window_16"}
     tight = load_workload(path, ["scheduler.max_batch_size=200", "scheduler.max_num_tokens=512"])
     with pytest.raises(InputError, match="beams x"):
         run_workload(tight)

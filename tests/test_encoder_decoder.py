@@ -203,5 +203,15 @@ def test_encoder_workload_keys(tmp_path):
         assert 0 < m["cross_hit_rate"] < 1
     with pytest.raises(InputError, match="cross_kv_cache_fraction"):
         run_workload(load_workload(path, ["cache.cross_kv_cache_fraction=0.0"]))
-    with pytest.raises(InputError, match="encoder inputs with sliding-window layers"):
-        run_workload(load_workload(path, ["model.attention_window=16"]))
+    # A sliding-window decoder: its pools share what the cross cache leaves of the budget
+    # (512-byte blocks: 8 tokens x 2 layers x 32 bytes), and the cross cache works as beside
+    # a plain one.
+    for mode, plain in (("serve", serve.metrics), ("cache", cache.metrics)):
+        (win,) = run_workload(load_workload(path, ["model.attention_window=16",
+                                                   f"run.mode={mode}"]))
+        m = win.metrics
+        assert set(m["pools"]) == {"window_16"} and m["cross_gpu_blocks_total"] == 256
+        assert m["gpu_bytes_total"] == 256 * 512
+        assert m["cross_requests"] == plain["cross_requests"]
+        if mode == "cache":  # one request at a time: the cross cache sees the same adds
+            assert m["cross_hit_rate"] == plain["cross_hit_rate"]

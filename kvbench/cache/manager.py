@@ -146,7 +146,8 @@ class Sequence:
         "partial_copied", "_partial", "holes", "beam_width", "shared_blocks", "beams",
     )
 
-    def __init__(self, request: Request, keys: list[BlockKey]) -> None:
+    def __init__(self, request: Request, keys: list[BlockKey],
+                 beam_width: int | None = None) -> None:
         self.request = request
         self.keys = keys
         """Keys of the full blocks whose tokens are known (the prompt's, at first)."""
@@ -167,7 +168,7 @@ class Sequence:
         """A claimed, partially matched block waiting for phase 2."""
         self.holes = False
         """Some entry of `blocks` is NO_BLOCK (only sliding-window life cycles make them)."""
-        self.beam_width = request.beam_width
+        self.beam_width = request.beam_width if beam_width is None else beam_width
         self.shared_blocks = 0
         """Leading block positions all beams share (see the module docstring)."""
         self.beams: list[list[BlockId]] = [[] for _ in range(self.beam_width - 1)]
@@ -491,6 +492,16 @@ class KVCacheManager:
             self._onboard(seq)
         self._moved.clear()
 
+    def hold_blocks(self, request: Request, num_tokens: int) -> Sequence:
+        """A one-beam sequence of `request` holding fresh GPU blocks for `num_tokens` tokens
+        that it never stores (scratch slots, `windows.py`); the caller has checked that the
+        pool has them."""
+        seq = Sequence(request, [], beam_width=1)
+        self._track(seq)
+        if not self.resize(seq, num_tokens):
+            raise AssertionError("hold_blocks without the free blocks")
+        return seq
+
     def skip_blocks(self, seq: Sequence, n: int) -> None:
         """Give the next `n` positions of `seq` no block of their own (NO_BLOCK): a caller
         serves them elsewhere (scratch slots) and they are never stored; `resize` then
@@ -501,18 +512,30 @@ class KVCacheManager:
 
     def release_blocks(self, seq: Sequence, begin: int, end: int, keep_cached: bool = True) -> int:
         """Release blocks `[begin, end)` of a live sequence (those a sliding window no longer
-        needs), leaving NO_BLOCK in their place. A block no other sequence holds becomes free:
-        with `keep_cached` a stored one joins the free queue as in `release` (still reusable
-        until evicted), otherwise it is dropped from the index and becomes empty. Commit the
+        needs) in every beam, leaving NO_BLOCK in their place. A block no other sequence holds
+        becomes free: with `keep_cached` a stored one joins the free queue as in `release`
+        (still reusable until evicted), otherwise it is dropped from the index and becomes
+        empty; a beam's own blocks are never stored, so they become empty. Commit the
         sequence first, or its computed blocks are lost. Returns the GPU blocks freed."""
         blocks = seq.blocks
+        blocks = seq.blocks
+        freed = 0
+        shared = seq.shared_blocks
+        lo = max(begin, shared) - shared
+        for beam in seq.beams:  # positions from `shared` on; never stored
+            stop = min(end - shared, len(beam))
+            if lo < stop:
+                gone = beam[lo:stop]
+                beam[lo:stop] = [NO_BLOCK] * (stop - lo)
+                seq.holes = True
+                freed += self._unhold(gone, seq.request, shared + lo, keep_cached)
         end = min(end, len(blocks))
         if end <= begin:
-            return 0
+            return freed
         gone = blocks[begin:end]
         blocks[begin:end] = [NO_BLOCK] * (end - begin)
         seq.holes = True
-        return self._unhold(gone, seq.request, begin, keep_cached)
+        return freed + self._unhold(gone, seq.request, begin, keep_cached)
 
     def enable_sanity_tracking(self) -> None:
         """Track live sequences so `_check_sanity` can verify ref counts (tests only)."""
@@ -896,8 +919,10 @@ class KVCacheManager:
                         owners[b] += 1
                 for beam in seq.beams:
                     assert len(beam) == max(0, len(seq.blocks) - seq.shared_blocks)
+                    assert seq.holes or NO_BLOCK not in beam
                     for b in beam:
-                        owners[b] += 1
+                        if b != NO_BLOCK:
+                            owners[b] += 1
                 if seq._partial is not None:
                     owners[seq._partial[0]] += 1
             assert owners == self.ref_count, "ref counts do not match the live sequences"

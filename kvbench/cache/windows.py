@@ -61,7 +61,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .ids import BlockId
-from .manager import NO_BLOCK, AddPlan, CacheSpec, KVCacheManager, Sequence
+from .manager import (NO_BLOCK, AddPlan, CacheSpec, KVCacheManager, Sequence, grow_blocks,
+                      shared_blocks)
 
 if TYPE_CHECKING:
     from ..traffic.request import Request
@@ -145,19 +146,24 @@ def split_gpu_blocks(
 
 
 def prefill_blocks_bound(cycle: LifeCycle, tokens_per_block: int, num_tokens: int,
-                         scratch: bool) -> int:
+                         scratch: bool, beam_width: int = 1) -> int:
     """The most blocks of `cycle` one request holds while a single step computes its
     `num_tokens`-token prompt, whatever it reuses: every block without scratch; with scratch,
     the reused blocks its first query reads, the new in-window blocks and the scratch slots
-    of the rest (never more than one per block)."""
+    of the rest (never more than one per block); with beams, each extra beam's copy of an
+    unfilled last block too."""
     tpb = tokens_per_block
     blocks = -(-num_tokens // tpb)
+    own = (beam_width - 1) * (blocks - num_tokens // tpb)
     if not scratch or cycle.window is None:
-        return blocks
-    out_of_window = cycle.first_needed(num_tokens, tpb)
+        return blocks + own
+    # With beams, scratch stops at the shared context (`WindowedCacheManager._scratch_query`).
+    query = num_tokens if beam_width == 1 else num_tokens // tpb * tpb
+    out_of_window = cycle.first_needed(query, tpb)
     reused_window = -(-(cycle.window - 1) // tpb) + 1
-    return min(blocks, reused_window + (blocks - out_of_window)
-               + -(-out_of_window // cycle.num_layers))
+    return own + min(blocks, reused_window + (blocks - out_of_window)
+                     + -(-out_of_window // cycle.num_layers))
+
 
 
 class WindowedSequence:
@@ -165,8 +171,9 @@ class WindowedSequence:
     out of window), `[num_computed, num_tokens)` are being computed by the current step."""
 
     __slots__ = (
-        "request", "seqs", "low", "scratch", "scratch_pages", "num_computed", "num_tokens",
-        "reused_tokens", "reused_tokens_host", "reused_full_blocks", "partial_tokens",
+        "request", "seqs", "low", "scratch", "scratch_pages", "scratch_query", "num_computed",
+        "num_tokens", "reused_tokens", "reused_tokens_host", "reused_full_blocks",
+        "partial_tokens",
     )
 
     def __init__(self, request: Request, seqs: list[Sequence], reused: int) -> None:
@@ -179,6 +186,9 @@ class WindowedSequence:
         """Per pool, the current step's scratch slots (held as a block-only sequence)."""
         self.scratch_pages: list[dict[int, int] | None] = [None] * len(seqs)
         """Per pool, block index -> the page (in every layer) of each scratch block."""
+        self.scratch_query = 0
+        """The query position the current step's scratch blocks are out of window for: the
+        step may not end before it."""
         self.num_computed = self.num_tokens = self.reused_tokens = reused
         self.reused_tokens_host = max(s.reused_tokens_host for s in seqs)
         self.reused_full_blocks = min(s.reused_full_blocks for s in seqs)
@@ -192,8 +202,18 @@ class WindowedSequence:
 
     @property
     def num_blocks(self) -> int:
-        """Block positions spanned (one beam: sliding-window models decode a single one)."""
-        return len(self.seqs[0].blocks)
+        """Block positions spanned, each extra beam's own ones included (as
+        `Sequence.num_blocks`; every pool spans the same)."""
+        return self.seqs[0].num_blocks
+
+    @property
+    def beam_width(self) -> int:
+        return self.seqs[0].beam_width
+
+    @property
+    def shared_blocks(self) -> int:
+        """Leading block positions the beams share (`Sequence.shared_blocks`)."""
+        return self.seqs[0].shared_blocks
 
 
 class WindowedCacheManager:
@@ -204,12 +224,13 @@ class WindowedCacheManager:
         "cycles", "managers", "tpb", "keep_cached", "scratch_reuse", "slot_bytes",
         "pool_of_layer", "num_layers", "peak_gpu_blocks", "peak_gpu_bytes",
         "scratch_slots", "scratch_slots_peak", "scratch_blocks", "reuse_fallbacks",
+        "reserve_tokens",
     )
 
     def __init__(
         self, cycles: Seq[LifeCycle], specs: Seq[CacheSpec], *,
         release_out_of_window: str = "keep_cached", swa_scratch_reuse: bool = False,
-        bytes_per_token_per_layer: int = 1,
+        bytes_per_token_per_layer: int = 1, reserve_tokens: int = 0,
     ) -> None:
         if len(cycles) != len(specs) or not cycles:
             raise ValueError("one CacheSpec per life cycle")
@@ -241,6 +262,10 @@ class WindowedCacheManager:
         """Blocks served by scratch slots, over the run."""
         self.reuse_fallbacks = 0
         """Adds whose reuse fell back to none because some pool could not onboard its part."""
+        self.reserve_tokens = reserve_tokens
+        """Tokens a `resize` may allocate past what its step computes (speculative drafts and
+        extra KV tokens, reserved with the step): scratch is chosen for the query that many
+        tokens before the allocated end, which the step computes up to at least."""
 
     # --- adding a request -----------------------------------------------------------------
 
@@ -251,6 +276,8 @@ class WindowedCacheManager:
         holds pool i's planned claims (`estimate_add`)."""
         n = len(self.managers)
         cap = request.input_length - 1
+        if request.beam_width > 1:  # only the shared context is matched (`match_capped`)
+            cap = min(cap, shared_blocks(self.tpb, request) * self.tpb)
         if not self.managers[0].spec.enable_block_reuse or cap <= 0:
             return 0, [([], None) for _ in range(n)]  # each sequence owns its list
         # Round robin, full attention first (its prefix walk is the cheap bound), each pool
@@ -303,13 +330,13 @@ class WindowedCacheManager:
     def step_blocks(self, wseq: WindowedSequence, end: int) -> list[int]:
         """Per pool, the free GPU blocks `begin_step(wseq, end)` would take (new blocks,
         scratch slots included)."""
-        tpb = self.tpb
-        n_end = -(-end // tpb)
+        tpb, request = self.tpb, wseq.request
+        query = self._scratch_query(request, end)
         need = []
         for i, c in enumerate(self.cycles):
             held = len(wseq.seqs[i].blocks)
-            new = max(0, n_end - held)
-            scratch = self._scratch_count(i, held, end)
+            new = grow_blocks(tpb, request, held, end)
+            scratch = self._scratch_count(i, held, query)
             need.append(new - scratch + -(-scratch // c.num_layers))
         return need
 
@@ -323,14 +350,14 @@ class WindowedCacheManager:
         if any(n > m.gpu.num_free for n, m in zip(need, self.managers)):
             return False
         tpb = self.tpb
+        query = self._scratch_query(wseq.request, end)
         for i, (c, m) in enumerate(zip(self.cycles, self.managers)):
             seq = wseq.seqs[i]
             held = len(seq.blocks)
-            n = self._scratch_count(i, held, end)
+            n = self._scratch_count(i, held, query)
             if n:
                 slots = -(-n // c.num_layers)
-                scr = m.claim_match(wseq.request, [], None)
-                m.resize(scr, slots * tpb)
+                scr = m.hold_blocks(wseq.request, slots * tpb)
                 m.skip_blocks(seq, n)
                 nl = c.num_layers
                 wseq.scratch[i] = scr
@@ -338,6 +365,7 @@ class WindowedCacheManager:
                                          for k in range(n)}
                 self.scratch_slots += slots
                 self.scratch_blocks += n
+                wseq.scratch_query = query
             m.resize(seq, end)
         wseq.num_tokens = end
         if self.scratch_slots > self.scratch_slots_peak:
@@ -353,9 +381,9 @@ class WindowedCacheManager:
             end = wseq.num_tokens
         elif end > wseq.num_tokens:
             raise ValueError("cannot commit tokens that have no block")
-        elif end != wseq.num_tokens and any(wseq.scratch):
-            # Its scratch range was chosen for the allocated end: blocks a later query reads
-            # would have been computed into scratch pages.
+        elif end < wseq.scratch_query and any(wseq.scratch):
+            # Its scratch range was chosen for a query at `scratch_query`: an earlier one
+            # would read blocks that were computed into scratch pages.
             raise ValueError("a step with scratch slots must end where it was allocated")
         tpb = self.tpb
         for i, (c, m) in enumerate(zip(self.cycles, self.managers)):
@@ -424,21 +452,31 @@ class WindowedCacheManager:
         under its index and makes a step's estimates exact for their batched add): the common
         reuse, the positions it covers, and the most free GPU blocks any pool's add keeps;
         `plan.transient` is the most any pool's needs besides until phase 2 ends."""
+        reuse, positions, draws = self.estimate_pools(request, plan)
+        return reuse, positions, max(draws)
+
+    def estimate_pools(self, request: Request, plan: AddPlan | None = None
+                       ) -> tuple[int, int, list[int]]:
+        """`estimate_add` with the free GPU blocks each pool's add keeps: with `step_blocks`
+        for the first step, exactly what adding the request and beginning that step take
+        from each pool (reuse falls back to none, taking less, only when an onboard or a
+        copy finds no free block)."""
         if plan is None:
             plan = AddPlan()
         for i in range(len(self.managers)):
             if i not in plan:
                 plan[i] = AddPlan()
         reuse, matches = self.match(request, plan)
-        draw = max(m.plan_claims(full, partial, plan[i])
-                   for i, (m, (full, partial)) in enumerate(zip(self.managers, matches)))
+        draws = [m.plan_claims(full, partial, plan[i])
+                 for i, (m, (full, partial)) in enumerate(zip(self.managers, matches))]
         plan.transient = max(plan[i].transient for i in range(len(self.managers)))
         positions = len(matches[0][0]) + (matches[0][1] is not None)
-        return reuse, positions, draw
+        return reuse, positions, draws
 
     def grow_blocks(self, request: Request, have: int, num_tokens: int) -> int:
-        """As `KVCacheManager.grow_blocks` (block positions; one beam here)."""
-        return max(0, -(-num_tokens // self.tpb) - have)
+        """As `KVCacheManager.grow_blocks` (block positions, and each extra beam's own ones
+        past the shared context), counted as for full attention."""
+        return grow_blocks(self.tpb, request, have, num_tokens)
 
     def refresh(self, now_s: float) -> None:
         """`KVCacheManager.refresh` of every pool."""
@@ -451,15 +489,16 @@ class WindowedCacheManager:
 
     # --- page tables ----------------------------------------------------------------------
 
-    def page_tables(self, wseq: WindowedSequence) -> np.ndarray:
+    def page_tables(self, wseq: WindowedSequence, beam: int = 0) -> np.ndarray:
         """`[model layer, block index]` -> page in that layer's pool tensor (the pool is
-        `pool_of_layer[layer]`), -1 where the block has no page (out of window, never
-        claimed). Block `b` of a pool's `i`-th layer is page `b * num_layers + i`; a scratch
-        block has its slot's slice, the same page in every layer."""
+        `pool_of_layer[layer]`) for beam `beam`, -1 where the block has no page (out of
+        window, never claimed). Block `b` of a pool's `i`-th layer is page
+        `b * num_layers + i`; a scratch block has its slot's slice, the same page in every
+        layer."""
         n = -(-wseq.num_tokens // self.tpb)
         out = np.full((self.num_layers, n), -1, dtype=np.int64)
         for i, c in enumerate(self.cycles):
-            blocks = np.asarray(wseq.seqs[i].blocks[:n], dtype=np.int64)
+            blocks = np.asarray(wseq.seqs[i].beam_blocks(beam)[:n], dtype=np.int64)
             real = blocks != NO_BLOCK
             cols = np.flatnonzero(real)
             nl = c.num_layers
@@ -472,13 +511,14 @@ class WindowedCacheManager:
                 out[np.array(c.layers)[:, None], idx[None, :]] = pg[None, :]
         return out
 
-    def step_view(self, wseq: WindowedSequence, pool: int, start: int
+    def step_view(self, wseq: WindowedSequence, pool: int, start: int, beam: int = 0
                   ) -> tuple[int, list[BlockId], dict[int, int] | None]:
         """What the data plane's `StepItem` needs for pool `pool` in a step computing from
-        `start`: the first block its queries read, the sequence's blocks from there (NO_BLOCK
-        where a scratch page serves), and the scratch pages by block index."""
+        `start` in beam `beam`: the first block its queries read, the beam's blocks from
+        there (NO_BLOCK where a scratch page serves), and the scratch pages by block index."""
         first = self.cycles[pool].first_needed(start, self.tpb)
-        return first, wseq.seqs[pool].blocks[first:], wseq.scratch_pages[pool]
+        return (first, wseq.seqs[pool].beam_blocks(beam)[first:],
+                wseq.scratch_pages[pool])
 
     # --- counters -------------------------------------------------------------------------
 
@@ -599,13 +639,25 @@ class WindowedCacheManager:
             out.append(fresh)
         return out
 
-    def _scratch_count(self, i: int, held: int, end: int) -> int:
-        """New blocks of pool `i` (from index `held`) that a step ending at `end` computes
-        and no later query reads: those scratch slots serve, when scratch reuse is on."""
+    def _scratch_query(self, request: Request, end: int) -> int:
+        """The query a step allocated to `end` chooses its scratch blocks for (those out of
+        its window): the first one after the step, `reserve_tokens` before `end` when a
+        reservation was allocated with it; with beams, at most the first position past the
+        shared context, so that no beam's own query reads a scratch page (scratch blocks
+        are shared context, written by beam 0's computation; a beam's own work may run in
+        another batch, after other layers reused the slices)."""
+        query = end - self.reserve_tokens
+        if request.beam_width > 1:
+            query = min(query, shared_blocks(self.tpb, request) * self.tpb)
+        return query
+
+    def _scratch_count(self, i: int, held: int, query: int) -> int:
+        """New blocks of pool `i` (from index `held`) that no query from `query` on reads:
+        those scratch slots serve, when scratch reuse is on."""
         c = self.cycles[i]
         if not self.scratch_reuse or c.window is None:
             return 0
-        return max(0, c.first_needed(end, self.tpb) - held)
+        return max(0, c.first_needed(query, self.tpb) - held)
 
     def _release_below(self, wseq: WindowedSequence, i: int, first: int) -> None:
         low = wseq.low[i]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..cache.manager import KVCacheManager, Phase2AllocationError, Sequence as CacheSequence
 from ..cache.windows import WindowedCacheManager, WindowedSequence
-from ..kernels.step import StepItem, beam_items
+from ..kernels.step import StepItem, beam_items, windowed_items
 from ..traffic.request import Request
 from .cross import CrossTally
 from .timeline import Timeline
@@ -112,9 +112,5 @@ def _windowed_data_plane_step(data_plane, manager: WindowedCacheManager, r: Requ
         ops[i] = list(m.copy_ops)
         m.copy_ops.clear()
     tokens = r.prompt_tokens()
-    items = []
-    for i in range(len(manager.managers)):
-        first, blocks, scratch = manager.step_view(seq, i, seq.num_computed)
-        items.append(StepItem(r.id, tokens, blocks, seq.num_computed, r.input_length, pool=i,
-                              first_block=first, scratch=scratch))
-    data_plane.execute_step(ops, items)
+    data_plane.execute_step(ops, windowed_items(r.id, manager, seq, seq.num_computed,
+                                                r.input_length, lambda beam: tokens))

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..cache.manager import KVCacheManager, Phase2AllocationError
 from ..cache.windows import WindowedCacheManager
-from ..kernels.step import StepItem, beam_items, beam_tokens
+from ..kernels.step import StepItem, beam_items, beam_tokens, windowed_items
 from ..traffic.request import Request
 from .clock import MeasuredClock, ProfileClock, StepClock
 from .cross import CrossTally
@@ -400,10 +400,8 @@ class ServeLoop:
                     items += beam_items(r.request.id, seq, start, end, self.tpb,
                                         lambda beam, r=r: self._stream(r, beam))
                 continue
-            for i in range(len(managers)):
-                first, blocks, scratch = mgr.step_view(r.seq, i, start)
-                items.append(StepItem(r.request.id, tokens, blocks, start, end, pool=i,
-                                      first_block=first, scratch=scratch))
+            items += windowed_items(r.request.id, mgr, r.seq, start, end,
+                                    lambda beam, r=r: self._stream(r, beam))
         if ops or items:
             return self.data_plane.execute_step(ops, items)
         return None

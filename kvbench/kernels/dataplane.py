@@ -194,10 +194,10 @@ class DataPlane:
         for pool, batch, new_kv, _, _ in whole:
             write_kv(self.pools[pool].gpu, batch, new_kv)
         marks.record("write")
-        outs = [self.backend.run(self.pools[pool].gpu, batch, q, plan)
-                for pool, batch, _, q, plan in whole]
         worst = 0.0
         mismatch = None
+        # Layered batches write before any whole batch attends: a beam's own item may read
+        # the shared context its beam 0 writes this step from a batch with scratch pages.
         for pool, batch, new_kv, q in layered:
             tensors = self.pools[pool]
             for local, layer in enumerate(tensors.spec.layers):
@@ -210,6 +210,8 @@ class DataPlane:
                                                      q[local:local + 1], out)
                     worst = max(worst, err)
                     mismatch = mismatch or found
+        outs = [self.backend.run(self.pools[pool].gpu, batch, q, plan)
+                for pool, batch, _, q, plan in whole]
         marks.record("attention")
         self.host_s += time.perf_counter() - t0
         if self.lazy_times:

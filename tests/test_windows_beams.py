@@ -23,15 +23,9 @@ from kvbench.engine.serve import ServeLoop
 from kvbench.engine.speculative import Speculation
 from kvbench.traffic.request import Request
 from strategies import related_prompts
+from test_beams import beam_requests, check_computed_tokens, req
 
 CLOCK = StepClock(ModelConfig(), PRESETS["H100-SXM"])
-_ids = iter(range(1 << 30))
-
-
-def req(tokens, width=1, out=1, t=0.0, rid=None, namespace=None) -> Request:
-    toks = np.asarray(tokens, dtype=np.int64)
-    return Request(next(_ids) if rid is None else rid, t, len(toks), out, tokens=toks,
-                   beam_width=width, namespace=namespace)
 
 
 def wmgr(windows, blocks=32, tpb=4, host=0, scratch=False, release="keep_cached",
@@ -267,19 +261,6 @@ def test_random_operations_on_windowed_beams_keep_invariants(prompts, data):
 # --- serve mode ---------------------------------------------------------------------------------
 
 
-def beam_requests(seed, n=12, widths=(1, 2, 4)):
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 5, 12)
-    t, out = 0.0, []
-    for i in range(n):
-        t += float(rng.exponential(0.003))
-        body = rng.integers(0, 5, int(rng.integers(1, 14)))
-        tokens = np.concatenate([base[:int(rng.integers(0, 13))], body])
-        out.append(Request(i, t, len(tokens), int(rng.integers(1, 14)), tokens=tokens,
-                           beam_width=int(rng.choice(widths))))
-    return out
-
-
 def serve(requests, m, *, mnt=32, batch=4, batch_add=False, bulk=True, plane=None,
           speculation=None, reserve=0):
     sched = Scheduler(SchedulerConfig(max_num_tokens=mnt, max_batch_size=batch), m.tpb,
@@ -311,13 +292,7 @@ def test_serve_with_beams_on_window_pools(seed, batch_add):
     m = wmgr([rng.choice([3, 6, 9]), None, rng.choice([5, None])], blocks=50,
              host=rng.choice([0, 6]), scratch=seed % 2 == 0,
              release=rng.choice(["keep_cached", "drop"]))
-    result = serve(beam_requests(seed), m, batch_add=batch_add)
-    decode = sum(s.request.beam_width * (s.request.output_length - 1) for s in result.requests)
-    context = sum(s.request.input_length - s.reused_tokens for s in result.requests)
-    if result.preemptions or result.ctx_alloc_failures:
-        assert result.computed_tokens >= decode + context
-    else:
-        assert result.computed_tokens == decode + context
+    check_computed_tokens(serve(beam_requests(seed), m, batch_add=batch_add))
 
 
 def test_beams_on_a_window_pool_hold_a_window_per_beam():

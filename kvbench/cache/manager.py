@@ -24,7 +24,8 @@ beam 0's page table (the one stored for reuse: beam 0 generates the request's st
 1..w-1 hold their own blocks of the positions from `shared_blocks` on in `beams`, never stored.
 Reuse matches only the shared blocks (an unshared last block is computed by each beam).
 `resize` allocates for every beam, so peak memory, the scheduler's block estimate
-(`grow_blocks`) and preemption all see them.
+(`grow_blocks`) and preemption all see them; `release_blocks` (a sliding window) releases
+every beam's blocks of the positions it is given.
 
 Invariants (checked by `_check_sanity`): every block is empty, cached or in use in its pool;
 `ref_count[b]` equals the number of live sequences holding `b` (a beam's own block counts

@@ -35,6 +35,14 @@ What a request does here:
   and releases the blocks no later query needs: `keep_cached` puts stored ones in the free
   queue, reusable until evicted (vLLM), `drop` frees them empty
   (`cache.release_out_of_window`).
+- **Beams** (`beam_width` > 1): every pool lays them out as `KVCacheManager` does (shared
+  full context blocks; an unfilled last context block and every generation block per beam;
+  reuse only of the shared context). Out-of-window release frees each beam's own blocks too.
+  Scratch serves only shared context, and only blocks out of window for the first position
+  past it (`_scratch_query`): a beam's own query never reads a scratch page.
+- **Reservations** (`reserve_tokens`: speculative drafts and extra KV tokens allocated with
+  a step): scratch is chosen for the query `reserve_tokens` before the allocated end, which
+  the step computes up to at least.
 - **Memory.** `peak_gpu_blocks` is the most slots of all pools held at once, scratch included;
   `peak_gpu_bytes` weighs each pool's slots by their size (its layers). GPU memory is split
   between pools by `split_gpu_blocks`.

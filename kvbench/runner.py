@@ -7,12 +7,13 @@ from collections.abc import Callable
 
 from .cache.manager import CacheSpec, KVCacheManager, grow_blocks
 from .cache.mirror import MirroredCacheManager
+from .cache.protocol import CacheManager
 from .cache.windows import (LifeCycle, WindowedCacheManager, life_cycles,
                             prefill_blocks_bound, split_gpu_blocks)
 from .config import Workload, resolve_path
 from .engine.cache_mode import replay_cache_mode
-from .engine.clock import (HOST_LINK_EFFICIENCY, MeasuredClock, ProfileClock, StepClock,
-                           hardware_from_config)
+from .engine.clock import (MeasuredClock, ProfileClock, StepClock, hardware_from_config,
+                           host_link_bytes_per_s)
 from .engine.scheduler import Scheduler
 from .engine.serve import SERVE_COUNTERS, run_serve
 from .engine.speculative import Speculation
@@ -406,28 +407,15 @@ def _outcome(name: str, wl: Workload, metrics: dict, timeline: dict) -> RunOutco
 
 
 def _cache_metrics(
-    wl: Workload, manager: KVCacheManager | WindowedCacheManager, requests: list[Request],
+    wl: Workload, manager: CacheManager, requests: list[Request],
     reused: int, reused_host: int, reused_partial: int,
 ) -> dict:
     """Reuse, memory and host-traffic metrics of a run in either mode, with one pool or one
     per attention life cycle. Host-link time is modeled: bytes over the hardware's host link
     at the clock's efficiency (`engine/clock.py`)."""
     prompt = sum(r.input_length for r in requests)
-    if isinstance(manager, WindowedCacheManager):
-        memory = manager.metrics()
-        pools = list(zip(manager.managers, manager.slot_bytes))
-    else:
-        peak = manager.gpu.peak_in_use
-        memory = {
-            "gpu_blocks_total": manager.spec.num_gpu_blocks,
-            "host_blocks_total": manager.spec.num_host_blocks,
-            "peak_gpu_blocks": peak,
-            "peak_gpu_bytes": peak * block_bytes(wl),
-        }
-        pools = [(manager, block_bytes(wl))]
-    onboard_bytes = sum(m.onboard_blocks * b for m, b in pools)
-    offload_bytes = sum(m.offload_blocks * b for m, b in pools)
-    link = hardware_from_config(wl.hardware).host_link_bandwidth * HOST_LINK_EFFICIENCY
+    onboard_bytes, offload_bytes = manager.moved_bytes(block_bytes(wl))
+    link = host_link_bytes_per_s(hardware_from_config(wl.hardware))
     return {
         "requests": len(requests),
         "prompt_tokens": prompt,
@@ -436,7 +424,7 @@ def _cache_metrics(
         "reused_tokens_host": reused_host,
         "reused_partial_tokens": reused_partial,
         "hit_rate": reused / prompt,
-        **memory,
+        **manager.memory_metrics(block_bytes(wl)),
         "peak_host_blocks": manager.peak_host_blocks,
         "allocated_blocks": manager.allocated_blocks,
         "evicted_blocks": manager.evicted_blocks,
@@ -487,14 +475,29 @@ def _run_serve(
                                      reserve_tokens=sp.max_draft_len + sp.reserved_tokens),
         clock,
         revert_deferred_ctx=sched.revert_deferred_ctx, batch_add=wl.cache.add_sequence == "batch",
-        block_bytes=block_bytes(wl) if windowed is None  # pools' mean slot with windows
-        else windowed.gpu_bytes_total // windowed.gpu_blocks_total,
+        block_bytes=block_bytes(wl),
         data_plane=plane, speculation=speculation, draft_plane=draft_plane, cross=cross,
         on_progress=advance)
     ideal = _ideal_hit_rate(requests, spec, windowed, serve=True)
     wall = time.perf_counter() - t0
     for r in requests:
         r.drop_keys()
+    metrics = _serve_metrics(wl, manager, requests, result, ideal, wall, clock.time_source)
+    if speculation is not None:
+        metrics.update(speculation.metrics())
+    if cross is not None:
+        metrics.update(result.cross.metrics(cross, block_bytes(wl)))
+    if sp.draft_model is not None:
+        metrics.update(_draft_metrics(wl, manager.draft, result.requests))
+    if plane is not None:
+        _plane_metrics(metrics, plane, draft_plane, clock.time_source)
+    return _outcome(name, wl, metrics, result.timeline.to_json())
+
+
+def _serve_metrics(wl: Workload, manager: CacheManager, requests: list[Request], result,
+                   ideal: float, wall: float, time_source: str) -> dict:
+    """The metrics every serve run reports: reuse, memory and traffic, the clock's times and
+    the loop's counters."""
     states = result.requests
     reused = sum(s.reused_tokens for s in states)
     reused_host = sum(s.reused_tokens_host for s in states)
@@ -518,30 +521,27 @@ def _run_serve(
         "ttft_ms": percentile_summary(ttft),
         "tpot_ms": percentile_summary(tpot),
         "e2e_ms": percentile_summary(e2e),
-        "time_source": clock.time_source,
+        "time_source": time_source,
         **{counter: getattr(result, counter) for counter in SERVE_COUNTERS},
         "wall_s": wall,
         "verified": None,
         "max_abs_err": None,
     }
-    if speculation is not None:
-        metrics.update(speculation.metrics())
-    if cross is not None:
-        metrics.update(result.cross.metrics(cross, block_bytes(wl)))
-    if sp.draft_model is not None:
-        metrics.update(_draft_metrics(wl, manager.draft, states))
-    if plane is not None:
-        # TTFT, TPOT and throughput carry the clock's label: with a modeled clock the kernel
-        # times a CUDA plane measured are reported beside them, not fed to the clock.
-        metrics.update(plane.metrics(), time_source=clock.time_source)
-        if draft_plane is not None:
-            d = draft_plane.metrics()
-            metrics["draft_verified"] = d["verified"]
-            metrics["draft_max_abs_err"] = d["max_abs_err"]
-            if d["verified"] is False:
-                metrics["verified"] = False
-                metrics["verify_mismatch"] = "draft cache: " + d["verify_mismatch"]
-    return _outcome(name, wl, metrics, result.timeline.to_json())
+    return metrics
+
+
+def _plane_metrics(metrics: dict, plane, draft_plane, time_source: str) -> None:
+    """A serve run's data-plane metrics (and its draft model's), into `metrics`."""
+    # TTFT, TPOT and throughput carry the clock's label: with a modeled clock the kernel
+    # times a CUDA plane measured are reported beside them, not fed to the clock.
+    metrics.update(plane.metrics(), time_source=time_source)
+    if draft_plane is not None:
+        d = draft_plane.metrics()
+        metrics["draft_verified"] = d["verified"]
+        metrics["draft_max_abs_err"] = d["max_abs_err"]
+        if d["verified"] is False:
+            metrics["verified"] = False
+            metrics["verify_mismatch"] = "draft cache: " + d["verify_mismatch"]
 
 
 def _draft_metrics(wl: Workload, draft: KVCacheManager, states) -> dict:

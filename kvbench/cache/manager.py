@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from .ids import DEFAULT_RETENTION_PRIORITY, BlockId, BlockKey, CopyKind, CopyOp, Tier
 from .pool import BlockPool
+from .protocol import PageView
 from .radix import PrefixIndex
 
 if TYPE_CHECKING:
@@ -537,6 +538,32 @@ class KVCacheManager:
         blocks[begin:end] = [NO_BLOCK] * (end - begin)
         seq.holes = True
         return freed + self._unhold(gone, seq.request, begin, keep_cached)
+
+    # --- the engine-cache contract (`cache/protocol.py`) -----------------------------------
+
+    def drain_copy_ops(self) -> dict[int, list[CopyOp]]:
+        if not self.copy_ops:
+            return {}
+        ops = {0: list(self.copy_ops)}
+        self.copy_ops.clear()
+        return ops
+
+    def page_views(self, seq: Sequence, start: int, end: int) -> list[PageView]:
+        views = [PageView(0, 0, start, 0, seq.blocks, None)]
+        own = max(start, seq.shared_blocks * self.tpb)
+        if seq.beams and own < end:
+            views += [PageView(0, beam, own, 0, seq.beam_blocks(beam), None)
+                      for beam in range(1, seq.beam_width)]
+        return views
+
+    def memory_metrics(self, slot_bytes: int) -> dict:
+        peak = self.gpu.peak_in_use
+        return {"gpu_blocks_total": self.spec.num_gpu_blocks,
+                "host_blocks_total": self.spec.num_host_blocks,
+                "peak_gpu_blocks": peak, "peak_gpu_bytes": peak * slot_bytes}
+
+    def moved_bytes(self, slot_bytes: int) -> tuple[int, int]:
+        return self.onboard_blocks * slot_bytes, self.offload_blocks * slot_bytes
 
     def enable_sanity_tracking(self) -> None:
         """Track live sequences so `_check_sanity` can verify ref counts (tests only)."""

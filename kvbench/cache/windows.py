@@ -68,9 +68,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .ids import BlockId
+from .ids import BlockId, CopyOp
 from .manager import (NO_BLOCK, AddPlan, CacheSpec, KVCacheManager, Sequence, grow_blocks,
                       shared_blocks)
+from .protocol import PageView
 
 if TYPE_CHECKING:
     from ..traffic.request import Request
@@ -588,6 +589,34 @@ class WindowedCacheManager:
             }
             for c, m, b in zip(self.cycles, self.managers, self.slot_bytes)
         }
+
+    # --- the engine-cache contract (`cache/protocol.py`) -----------------------------------
+
+    def drain_copy_ops(self) -> dict[int, list[CopyOp]]:
+        ops = {}
+        for i, m in enumerate(self.managers):
+            if m.copy_ops:
+                ops[i] = list(m.copy_ops)
+                m.copy_ops.clear()
+        return ops
+
+    def page_views(self, wseq: WindowedSequence, start: int, end: int) -> list[PageView]:
+        own = max(start, wseq.shared_blocks * self.tpb)
+        beams = range(1, wseq.beam_width) if own < end else range(0)
+        views = []
+        for pool in range(len(self.managers)):
+            views.append(PageView(pool, 0, start, *self.step_view(wseq, pool, start)))
+            views += [PageView(pool, beam, own, *self.step_view(wseq, pool, own, beam))
+                      for beam in beams]
+        return views
+
+    def memory_metrics(self, slot_bytes: int) -> dict:  # noqa: ARG002 - each pool has its own
+        return self.metrics()
+
+    def moved_bytes(self, slot_bytes: int) -> tuple[int, int]:  # noqa: ARG002
+        pools = list(zip(self.managers, self.slot_bytes))
+        return (sum(m.onboard_blocks * b for m, b in pools),
+                sum(m.offload_blocks * b for m, b in pools))
 
     def enable_sanity_tracking(self) -> None:
         for m in self.managers:

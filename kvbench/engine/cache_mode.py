@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..cache.manager import KVCacheManager, Phase2AllocationError, Sequence as CacheSequence
-from ..cache.windows import WindowedCacheManager, WindowedSequence
-from ..kernels.step import StepItem, beam_items, windowed_items
+from ..cache.manager import KVCacheManager, Phase2AllocationError
+from ..cache.protocol import CacheManager
 from ..traffic.request import Request
 from .cross import CrossTally
+from .plane import step_items
 from .timeline import Timeline
 
 
@@ -26,7 +26,7 @@ class CacheModeResult:
 
 
 def replay_cache_mode(
-    requests: Sequence[Request], manager: KVCacheManager | WindowedCacheManager,
+    requests: Sequence[Request], manager: CacheManager,
     on_progress: Callable[[int], None] | None = None, progress_every: int = 256,
     data_plane=None, cross: KVCacheManager | None = None,
 ) -> CacheModeResult:
@@ -49,10 +49,6 @@ def replay_cache_mode(
     c_reused, c_prompt, c_in_use, c_cached, c_free = (
         cols["reused_tokens"], cols["prompt_tokens"], cols["in_use"], cols["cached"], cols["free"])
     pool = manager.gpu
-    plane_step = None
-    if data_plane is not None:
-        plane_step = (_windowed_data_plane_step if isinstance(manager, WindowedCacheManager)
-                      else _data_plane_step)
     prompt = reused = host = full = partial = partial_blocks = 0
     tally = CrossTally()
     for i, r in enumerate(requests):
@@ -71,8 +67,8 @@ def replay_cache_mode(
             cross.commit(cseq, enc.input_length)
             cross.release(cseq)
             tally.count(cseq)
-        if plane_step is not None:
-            plane_step(data_plane, manager, r, seq)
+        if data_plane is not None:
+            _data_plane_step(data_plane, manager, r, seq)
         in_use = pool.num_in_use
         manager.commit(seq, r.input_length)
         manager.release(seq)
@@ -94,23 +90,8 @@ def replay_cache_mode(
     return CacheModeResult(prompt, reused, host, full, partial, partial_blocks, timeline, tally)
 
 
-def _data_plane_step(data_plane, manager: KVCacheManager, r: Request, seq: CacheSequence) -> None:
-    ops = list(manager.copy_ops)
-    manager.copy_ops.clear()
+def _data_plane_step(data_plane, manager: CacheManager, r: Request, seq) -> None:
+    """The request's one step: its prompt past the reused prefix, in every pool."""
     tokens = r.prompt_tokens()
-    items = [StepItem(r.id, tokens, seq.blocks, seq.num_computed, r.input_length)]
-    if seq.beams:  # each beam's own copy of an unfilled last prompt block
-        items += beam_items(r.id, seq, seq.num_computed, r.input_length, manager.tpb,
-                            lambda beam: tokens)
-    data_plane.execute_step(ops, items)
-
-
-def _windowed_data_plane_step(data_plane, manager: WindowedCacheManager, r: Request,
-                              seq: WindowedSequence) -> None:
-    ops = {}
-    for i, m in enumerate(manager.managers):
-        ops[i] = list(m.copy_ops)
-        m.copy_ops.clear()
-    tokens = r.prompt_tokens()
-    data_plane.execute_step(ops, windowed_items(r.id, manager, seq, seq.num_computed,
-                                                r.input_length, lambda beam: tokens))
+    data_plane.execute_step(manager.drain_copy_ops(), step_items(
+        manager, r.id, seq, seq.num_computed, r.input_length, lambda beam: tokens))

@@ -104,12 +104,18 @@ def matmul_params(model) -> float:
     return float(model.num_layers * per_layer)
 
 
+def host_link_bytes_per_s(hardware: Hardware) -> float:
+    """Modeled host-link throughput: the one figure behind both the serve clock's copy time
+    and the `host_link_ms_modeled` metric (bytes / this)."""
+    return hardware.host_link_bandwidth * HOST_LINK_EFFICIENCY
+
+
 class StepClock:
     """Step times of one model on one accelerator (see the module docstring)."""
 
     time_source = "modeled"
     __slots__ = ("hardware", "overhead", "token_s", "weights_s", "pair_s", "kv_token_s",
-                 "link_byte_s", "_decode_kv_s")
+                 "link_bytes_per_s", "_decode_kv_s")
 
     def __init__(self, model, hardware: Hardware) -> None:
         self.hardware = hardware
@@ -121,7 +127,7 @@ class StepClock:
         layers = model.num_layers
         self.pair_s = 4 * layers * model.num_q_heads * model.head_dim / (f * ATTENTION_EFFICIENCY)
         self.kv_token_s = layers * model.kv_bytes_per_token_per_layer / (b * MEMORY_EFFICIENCY)
-        self.link_byte_s = 1 / (hardware.host_link_bandwidth * HOST_LINK_EFFICIENCY)
+        self.link_bytes_per_s = host_link_bytes_per_s(hardware)
         # A decode token reads as many KV tokens as it has (query, key) pairs.
         self._decode_kv_s = max(self.pair_s, self.kv_token_s)
 
@@ -134,7 +140,7 @@ class StepClock:
         read) say the same per kind of work, for clocks that price each kind."""
         return (self.overhead + max(tokens * self.token_s, self.weights_s)
                 + max(pairs * self.pair_s, kv_tokens * self.kv_token_s)
-                + copy_bytes * self.link_byte_s)
+                + copy_bytes / self.link_bytes_per_s)
 
     def decode_run_seconds(self, n: int, kv_tokens: int, steps: int) -> float:
         """`steps` pure-decode steps of `n` sequences reading `kv_tokens` KV tokens in the

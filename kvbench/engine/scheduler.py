@@ -41,6 +41,7 @@ from ..cache.manager import AddPlan
 
 if TYPE_CHECKING:
     from ..cache.manager import KVCacheManager, Sequence
+    from ..cache.protocol import CacheManager
     from ..config import SchedulerConfig
     from ..traffic.request import Request, StreamView
 
@@ -141,7 +142,7 @@ class Scheduler:
 
     def plan_context(
         self, prefilling: list[ServeRequest], waiting: list[tuple[int, ServeRequest]],
-        num_gen: int, num_active: int, cache: KVCacheManager, gen_tokens: int | None = None,
+        num_gen: int, num_active: int, cache: CacheManager, gen_tokens: int | None = None,
         cross: KVCacheManager | None = None,
     ) -> list[ContextWork]:
         """The step's context chunks after `num_gen` generation requests computing

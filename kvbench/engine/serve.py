@@ -38,11 +38,12 @@ from heapq import heappop, heappush
 import numpy as np
 
 from ..cache.manager import KVCacheManager, Phase2AllocationError
-from ..cache.windows import WindowedCacheManager
-from ..kernels.step import StepItem, beam_items, beam_tokens, windowed_items
+from ..cache.protocol import CacheManager
+from ..kernels.step import StepItem, beam_tokens
 from ..traffic.request import Request
 from .clock import MeasuredClock, ProfileClock, StepClock
 from .cross import CrossTally
+from .plane import step_items
 from .scheduler import ContextWork, Phase, Scheduler, ServeRequest
 from .speculative import Speculation
 from .timeline import Timeline
@@ -136,7 +137,7 @@ the same name."""
 
 
 def run_serve(
-    requests: Sequence[Request], manager: KVCacheManager, scheduler: Scheduler,
+    requests: Sequence[Request], manager: CacheManager, scheduler: Scheduler,
     clock: Clock, **options,
 ) -> ServeResult:
     """Serve `requests` (in arrival order) to completion; `options` as `ServeLoop` takes them.
@@ -159,7 +160,7 @@ class ServeLoop:
     )
 
     def __init__(
-        self, requests: Sequence[Request], manager: KVCacheManager, scheduler: Scheduler,
+        self, requests: Sequence[Request], manager: CacheManager, scheduler: Scheduler,
         clock: Clock, *, revert_deferred_ctx: bool = False, batch_add: bool = False,
         block_bytes: int = 0, bulk_decode: bool = True, data_plane=None,
         speculation: Speculation | None = None, draft_plane=None,
@@ -213,7 +214,8 @@ class ServeLoop:
             setattr(self, name, 0)
         self.timeline = Timeline("step", TIMELINE_COLUMNS, sums=("reused_tokens", "prompt_tokens"))
         self.block_bytes = block_bytes
-        """Bytes one block moves over the host link (onboard or offload), for the clock."""
+        """Bytes of one block of a one-pool cache (`CacheManager.moved_bytes`: a windowed
+        manager weighs each pool's blocks by its own slot size)."""
         self._moved = 0
         self._row_reused = self._row_prompt = 0
         self._columns = tuple(self.timeline.columns[name] for name in TIMELINE_COLUMNS)
@@ -356,8 +358,8 @@ class ServeLoop:
             self.max_mnt_overshoot_tokens = max(self.max_mnt_overshoot_tokens, tokens - self.mnt)
         self.computed_tokens += tokens
         mgr = self.manager
-        moved = mgr.onboard_blocks + mgr.offload_blocks
-        copy_bytes = (moved - self._moved) * self.block_bytes
+        moved = sum(mgr.moved_bytes(self.block_bytes))
+        copy_bytes = moved - self._moved
         self._moved = moved
         if self.measured:
             return tokens, None
@@ -377,13 +379,7 @@ class ServeLoop:
         sliding windows, each sequence is one item per pool: the blocks from the first one its
         queries read, and the step's scratch pages."""
         mgr, step = self.manager, self.step
-        windowed = isinstance(mgr, WindowedCacheManager)
-        managers = mgr.managers if windowed else (mgr,)
-        ops = {}
-        for i, m in enumerate(managers):
-            if m.copy_ops:
-                ops[i] = list(m.copy_ops)
-                m.copy_ops.clear()
+        ops = mgr.drain_copy_ops()
         runs = [(w.req, w.start, w.end) for w in work]
         for r in self.decoders.values():
             pos = r.d_pos0 + step - r.d_step0
@@ -392,16 +388,8 @@ class ServeLoop:
             self._execute_draft(runs)
         items = []
         for r, start, end in runs:
-            tokens = self._stream(r)
-            if not windowed:
-                seq = r.seq
-                items.append(StepItem(r.request.id, tokens, seq.blocks, start, end))
-                if seq.beams:
-                    items += beam_items(r.request.id, seq, start, end, self.tpb,
-                                        lambda beam, r=r: self._stream(r, beam))
-                continue
-            items += windowed_items(r.request.id, mgr, r.seq, start, end,
-                                    lambda beam, r=r: self._stream(r, beam))
+            items += step_items(mgr, r.request.id, r.seq, start, end,
+                                lambda beam, r=r: self._stream(r, beam))
         if ops or items:
             return self.data_plane.execute_step(ops, items)
         return None

@@ -46,41 +46,6 @@ def beam_tokens(request, beam: int, context: int, end: int) -> np.ndarray:
     return np.concatenate([sequence_tokens(request, context), own])
 
 
-def beam_items(request_id: int, seq, start: int, end: int, tokens_per_block: int,
-               tokens_of) -> list[StepItem]:
-    """The work of beams 1.. of a beam-search sequence (`cache.manager.Sequence`) computing
-    positions `[start, end)`: each beam computes only its own positions (past the blocks the
-    beams share, which beam 0's item writes) in its own page table; `tokens_of(beam)` gives
-    the beam's token ids."""
-    own = max(start, seq.shared_blocks * tokens_per_block)
-    if own >= end:
-        return []
-    return [StepItem(request_id, tokens_of(beam), seq.beam_blocks(beam), own, end)
-            for beam in range(1, seq.beam_width)]
-
-
-def windowed_items(request_id: int, manager, wseq, start: int, end: int,
-                   tokens_of) -> list[StepItem]:
-    """The work of a sequence of a `cache.windows.WindowedCacheManager` computing positions
-    `[start, end)`: one item per pool for beam 0 (from the first block its queries read,
-    with the step's scratch pages) and, with beams, one per pool for each other beam's own
-    positions (past the shared context, as `beam_items`) in its own page table;
-    `tokens_of(beam)` gives the beam's token ids."""
-    tpb = manager.tpb
-    items = []
-    own = max(start, wseq.shared_blocks * tpb)
-    for pool in range(len(manager.managers)):
-        first, blocks, scratch = manager.step_view(wseq, pool, start)
-        items.append(StepItem(request_id, tokens_of(0), blocks, start, end, pool=pool,
-                              first_block=first, scratch=scratch))
-        if own < end:
-            for beam in range(1, wseq.beam_width):
-                first, blocks, scratch = manager.step_view(wseq, pool, own, beam)
-                items.append(StepItem(request_id, tokens_of(beam), blocks, own, end,
-                                      pool=pool, first_block=first, scratch=scratch))
-    return items
-
-
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     """The attention shape the KV tensors and the synthetic model are built for."""

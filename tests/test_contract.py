@@ -41,12 +41,12 @@ def test_page_views_and_copy_ops_of_both_managers():
                       tokens=np.arange(10, dtype=np.int64))
     seq = plain.add_sequence(request)
     assert plain.resize(seq, 10)
-    assert plain.page_views(seq, 0) == [PageView(0, 0, seq.blocks, None)]
+    assert plain.page_views(seq, 0, 10) == [PageView(0, 0, 0, 0, seq.blocks, None)]
     assert plain.drain_copy_ops() == {} and plain.moved_bytes(100) == (0, 0)
     assert plain.memory_metrics(100)["peak_gpu_bytes"] == 3 * 100
     windowed = WindowedCacheManager(life_cycles([None, 4]), [spec, spec])
     wseq = windowed.add_sequence(request)
     assert windowed.resize(wseq, 10)
-    views = windowed.page_views(wseq, 0)
+    views = windowed.page_views(wseq, 0, 10)
     assert [v.pool for v in views] == [0, 1]
     assert windowed.drain_copy_ops() == {}

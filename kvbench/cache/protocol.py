@@ -33,6 +33,10 @@ class CacheManager(Protocol):
     gpu: object
     """The GPU tier as one pool view: `num_in_use`, `num_cached`, `empty`, `peak_in_use`."""
 
+    def refresh(self, now_s: float) -> None:
+        """Advance the cache's clock to `now_s` (retention durations end), before a step's
+        allocations."""
+
     def estimate_add(self, request) -> tuple[int, int, int]:
         """(reused tokens, of those from the host, blocks to allocate) an add would get."""
 

@@ -61,12 +61,7 @@ def replay_cache_mode(
             raise ValueError(f"request {r.id} does not fit in the cache")
         enc = r.encoder if cross is not None else None
         if enc is not None:
-            cseq = cross.add_sequence(enc)
-            if not cross.resize(cseq, enc.input_length):
-                raise ValueError(f"request {r.id}: its encoder input does not fit the cross cache")
-            cross.commit(cseq, enc.input_length)
-            cross.release(cseq)
-            tally.count(cseq)
+            tally.count(_encode(cross, r.id, enc))
         if data_plane is not None:
             _data_plane_step(data_plane, manager, r, seq)
         in_use = pool.num_in_use
@@ -88,6 +83,16 @@ def replay_cache_mode(
     if on_progress is not None:
         on_progress(len(requests) % progress_every)
     return CacheModeResult(prompt, reused, host, full, partial, partial_blocks, timeline, tally)
+
+
+def _encode(cross: KVCacheManager, request_id: int, enc: Request):
+    """Add, write and release a request's encoder input in the cross cache."""
+    cseq = cross.add_sequence(enc)
+    if not cross.resize(cseq, enc.input_length):
+        raise ValueError(f"request {request_id}: its encoder input does not fit the cross cache")
+    cross.commit(cseq, enc.input_length)
+    cross.release(cseq)
+    return cseq
 
 
 def _data_plane_step(data_plane, manager: CacheManager, r: Request, seq) -> None:

@@ -174,18 +174,7 @@ class ServeLoop:
         self.clock = clock
         self.revert = revert_deferred_ctx
         self.batch_add = batch_add
-        self.spec = speculation
-        """Speculative decoding (None = off): decode steps yield 1..k+1 tokens, so every
-        step runs on its own (no jumps)."""
-        self.draft = getattr(manager, "draft", None)
-        """The draft model's cache (a `MirroredCacheManager`'s), or None."""
-        self.draft_plane = draft_plane
-        """The draft cache's data plane (with `data_plane`)."""
-        self._draft_end: dict[int, int] = {}
-        """Per running request, one past the last position the draft model wrote."""
-        self.cross = cross
-        """The cross-attention cache of encoder inputs (`engine/cross.py`), or None."""
-        self.cross_tally = CrossTally()
+        self._init_extras(speculation, draft_plane, cross)
         self.bulk_decode = bulk_decode and data_plane is None and speculation is None
         self.data_plane = data_plane
         self.measured = clock.time_source == "measured"
@@ -222,6 +211,21 @@ class ServeLoop:
         self._tokens: dict[tuple[int, int], np.ndarray] = {}
         """Stream token ids of running requests' beams for the data plane, built once per
         (request, beam) and context (a trace prompt's tokens are derived per position)."""
+
+    def _init_extras(self, speculation: Speculation | None, draft_plane,
+                     cross: KVCacheManager | None) -> None:
+        self.spec = speculation
+        """Speculative decoding (None = off): decode steps yield 1..k+1 tokens, so every
+        step runs on its own (no jumps)."""
+        self.draft = getattr(self.manager, "draft", None)
+        """The draft model's cache (a `MirroredCacheManager`'s), or None."""
+        self.draft_plane = draft_plane
+        """The draft cache's data plane (with `data_plane`)."""
+        self._draft_end: dict[int, int] = {}
+        """Per running request, one past the last position the draft model wrote."""
+        self.cross = cross
+        """The cross-attention cache of encoder inputs (`engine/cross.py`), or None."""
+        self.cross_tally = CrossTally()
 
     def run(self) -> ServeResult:
         states, waiting = self.states, self.waiting

@@ -74,7 +74,8 @@ def _cross_blocks(workload: Workload) -> int:
 
 def cross_manager(wl: Workload, requests: list[Request]) -> KVCacheManager | None:
     """The cross-attention cache for requests' encoder inputs (None when none has one):
-    shared by a sequence's beams, never grown, no host tier."""
+    shared by a sequence's beams, never grown, no host tier; it emits copy ops for the data
+    plane's cross pool when there is one."""
     longest = max((r.encoder.input_length for r in requests if r.encoder is not None),
                   default=0)
     if not longest:
@@ -91,7 +92,7 @@ def cross_manager(wl: Workload, requests: list[Request]) -> KVCacheManager | Non
         tokens_per_block=tpb, num_gpu_blocks=blocks, enable_block_reuse=c.enable_block_reuse,
         enable_partial_reuse=c.enable_partial_reuse,
         copy_on_partial_reuse=c.copy_on_partial_reuse, cross_kv=True,
-        strict_phase2=c.strict_phase2))
+        emit_copy_ops=wl.run.backend != "none", strict_phase2=c.strict_phase2))
 
 
 def run_workload(workload: Workload, progress: ProgressFactory | None = None) -> list[RunOutcome]:
@@ -176,23 +177,26 @@ def _windowed(wl: Workload) -> bool:
 
 def _open_data_plane(wl: Workload, spec: CacheSpec,
                      windowed: WindowedCacheManager | None = None, model=None, *,
-                     backend: str | None = None, engine=None):
+                     backend: str | None = None, engine=None,
+                     cross: KVCacheManager | None = None):
     """The data plane for `run.backend` (None for `none`); torch is imported only here.
     With a `windowed` manager, one tensor per life cycle's pool; `model` is another model's
-    shape (the draft's) instead of the workload's."""
+    shape (the draft's) instead of the workload's; a `cross` cache gets a pool of its own."""
     model = wl.model if model is None else model
     backend = backend or wl.run.backend
     if backend == "none":
         return None
     from .kernels.dataplane import open_data_plane
-    from .kernels.step import BackendUnavailable
+    from .kernels.step import BackendUnavailable, PoolSpec
 
+    cross_pool = (None if cross is None else
+                  PoolSpec(tuple(range(model.num_layers)), cross.spec.num_gpu_blocks))
     try:
         # A measured clock reads each step's time at once; otherwise the host runs ahead.
         return open_data_plane(model, spec.tokens_per_block,
                                _pool_specs(model, spec, windowed), backend=backend,
                                verify=wl.run.verify, seed=wl.run.seed, engine=engine,
-                               lazy_times=engine is None)
+                               lazy_times=engine is None, cross=cross_pool)
     except BackendUnavailable as exc:
         raise InputError(f"{_where(wl)}: run.backend: {exc}") from None
 
@@ -364,7 +368,7 @@ def _run_one(
     else:
         spec = windowed.managers[0].spec
     cross = cross_manager(wl, requests)
-    plane = _open_data_plane(wl, spec, windowed)
+    plane = _open_data_plane(wl, spec, windowed, cross=cross)
     t0 = time.perf_counter()
     manager = KVCacheManager(spec) if windowed is None else windowed
     advance = progress(name, len(requests)) if progress is not None else None
@@ -454,7 +458,7 @@ def _run_serve(
     if wl.run.clock == "measured":
         plane = _open_measured_plane(wl, spec, windowed)
     else:
-        plane = _open_data_plane(wl, spec, windowed)
+        plane = _open_data_plane(wl, spec, windowed, cross=cross)
     sp = wl.speculative
     hardware = hardware_from_config(wl.hardware)
     speculation = draft_plane = None

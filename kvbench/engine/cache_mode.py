@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..cache.manager import KVCacheManager, Phase2AllocationError
 from ..cache.protocol import CacheManager
 from ..traffic.request import Request
-from .cross import CrossTally
+from .cross import CrossTally, cross_ops, cross_step, encoder_ids
 from .plane import step_items
 from .timeline import Timeline
 
@@ -42,7 +42,8 @@ def replay_cache_mode(
     so `in_use` is read before the commit, while the step's scratch slots are held.
 
     With a `cross` cache (`engine/cross.py`) a request's encoder input is added, written and
-    released there beside its prompt."""
+    released there beside its prompt; on the data plane the step writes its encoder K/V and
+    the prompt's queries attend to them."""
     timeline = Timeline("request", ("reused_tokens", "prompt_tokens", "in_use", "cached", "free"),
                         sums=("reused_tokens", "prompt_tokens"))
     cols = timeline.columns
@@ -59,11 +60,13 @@ def replay_cache_mode(
             raise Phase2AllocationError(exc.request_id, exc.what, i) from None
         if not manager.resize(seq, r.input_length):
             raise ValueError(f"request {r.id} does not fit in the cache")
-        enc = r.encoder if cross is not None else None
-        if enc is not None:
-            tally.count(_encode(cross, r.id, enc))
+        cseq = _encode(cross, r) if cross is not None and r.encoder is not None else None
         if data_plane is not None:
-            _data_plane_step(data_plane, manager, r, seq)
+            _data_plane_step(data_plane, manager, r, seq, cross, cseq)
+        if cseq is not None:
+            cross.commit(cseq, cseq.request.input_length)
+            cross.release(cseq)
+            tally.count(cseq)
         in_use = pool.num_in_use
         manager.commit(seq, r.input_length)
         manager.release(seq)
@@ -85,18 +88,26 @@ def replay_cache_mode(
     return CacheModeResult(prompt, reused, host, full, partial, partial_blocks, timeline, tally)
 
 
-def _encode(cross: KVCacheManager, request_id: int, enc: Request):
-    """Add, write and release a request's encoder input in the cross cache."""
-    cseq = cross.add_sequence(enc)
-    if not cross.resize(cseq, enc.input_length):
-        raise ValueError(f"request {request_id}: its encoder input does not fit the cross cache")
-    cross.commit(cseq, enc.input_length)
-    cross.release(cseq)
+def _encode(cross: KVCacheManager, r: Request):
+    """Add a request's encoder input to the cross cache and allocate the rest of it (the
+    caller writes it, then commits and releases)."""
+    cseq = cross.add_sequence(r.encoder)
+    if not cross.resize(cseq, r.encoder.input_length):
+        raise ValueError(f"request {r.id}: its encoder input does not fit the cross cache")
     return cseq
 
 
-def _data_plane_step(data_plane, manager: CacheManager, r: Request, seq) -> None:
-    """The request's one step: its prompt past the reused prefix, in every pool."""
+def _data_plane_step(data_plane, manager: CacheManager, r: Request, seq,
+                     cross: KVCacheManager | None, cseq) -> None:
+    """The request's one step: its prompt past the reused prefix, in every pool; with an
+    encoder input, its encoder K/V past the cross reuse, which the prompt attends to."""
     tokens = r.prompt_tokens()
-    data_plane.execute_step(manager.drain_copy_ops(), step_items(
-        manager, r.id, seq, seq.num_computed, r.input_length, lambda beam: tokens))
+    ops = manager.drain_copy_ops()
+    encoder: list = []
+    view = None
+    if cseq is not None:
+        cross_ops(data_plane, cross, ops)
+        view = cross_step(r.id, cseq, encoder_ids(r.encoder), True, encoder)
+    data_plane.execute_step(ops, step_items(
+        manager, r.id, seq, seq.num_computed, r.input_length, lambda beam: tokens, view),
+        encoder)

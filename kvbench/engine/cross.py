@@ -8,11 +8,19 @@ decode. The sequence is released with the request's own. A request without an en
 holds nothing there and reuses nothing. In serve mode the clock charges an encoder pass
 (bidirectional attention) over the encoder tokens the cross cache did not have, on the
 decoder's shape (kvbench has no encoder model of its own): modeled.
+
+On the data plane (`cross_step`) the cross cache has a pool of its own: the request's first
+step writes the encoder K/V of the positions it did not reuse, and every step item of the
+request (each beam's, each window pool's) attends to all of its cross pages.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..cache.manager import KVCacheManager, Sequence
+from ..kernels.step import CrossKV, StepItem
+from ..traffic.request import Request, namespace_salt
 
 
 class CrossTally:
@@ -47,3 +55,31 @@ class CrossTally:
             "cross_peak_gpu_bytes": peak * block_bytes,
         }
 
+
+
+def encoder_ids(encoder: Request) -> np.ndarray:
+    """The ids the data plane's encoder K/V generator sees for an encoder input: its tokens
+    salted with the input's digest (its namespace), since an encoder attends both ways and a
+    position's K/V depend on the whole input. A block reused from another input is then
+    caught even where the two hold the same tokens."""
+    salt = namespace_salt(encoder.namespace) & ((1 << 62) - 1)
+    return np.asarray(encoder.prompt_tokens(), dtype=np.int64) ^ np.int64(salt)
+
+
+def cross_ops(plane, cross: KVCacheManager, ops: dict) -> None:
+    """Move the cross cache's pending copy ops into a step's `ops`, under the plane's cross
+    pool."""
+    for pending in cross.drain_copy_ops().values():
+        ops.setdefault(plane.cross_pool, []).extend(pending)
+
+
+def cross_step(request_id: int, cseq: Sequence, tokens: np.ndarray, first: bool,
+               encoder: list[StepItem]) -> CrossKV:
+    """A request's cross-attention work in a data-plane step (before `cross.commit`): appends
+    the encoder write of its `first` step (positions past what the input reused) to
+    `encoder` and returns the view its step items attend to. `tokens`: `encoder_ids` of
+    the input."""
+    n = cseq.request.input_length
+    if first and cseq.num_computed < n:
+        encoder.append(StepItem(request_id, tokens, cseq.blocks, cseq.num_computed, n))
+    return CrossKV(tokens, cseq.blocks)

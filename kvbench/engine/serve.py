@@ -42,7 +42,7 @@ from ..cache.protocol import CacheManager
 from ..kernels.step import StepItem, beam_tokens
 from ..traffic.request import Request
 from .clock import MeasuredClock, ProfileClock, StepClock
-from .cross import CrossTally
+from .cross import CrossTally, cross_ops, cross_step, encoder_ids
 from .plane import step_items
 from .scheduler import ContextWork, Phase, Scheduler, ServeRequest
 from .speculative import Speculation
@@ -384,21 +384,27 @@ class ServeLoop:
         queries read, and the step's scratch pages."""
         mgr, step = self.manager, self.step
         ops = mgr.drain_copy_ops()
-        runs = [(w.req, w.start, w.end) for w in work]
+        if self.cross is not None:
+            cross_ops(self.data_plane, self.cross, ops)
+        runs = [(w.req, w.start, w.end, w.new) for w in work]
         for r in self.decoders.values():
             pos = r.d_pos0 + step - r.d_step0
-            runs.append((r, pos, pos + 1 + r.drafts))
+            runs.append((r, pos, pos + 1 + r.drafts, False))
         if self.draft_plane is not None:
             self._execute_draft(runs)
-        items = []
-        for r, start, end in runs:
+        items, encoder = [], []
+        for r, start, end, first in runs:
+            view = None
+            if r.cross_seq is not None:  # the encoder's KV is written with the first chunk
+                view = cross_step(r.request.id, r.cross_seq, self._stream(r, -1), first,
+                                  encoder)
             items += step_items(mgr, r.request.id, r.seq, start, end,
-                                lambda beam, r=r: self._stream(r, beam))
+                                lambda beam, r=r: self._stream(r, beam), view)
         if ops or items:
-            return self.data_plane.execute_step(ops, items)
+            return self.data_plane.execute_step(ops, items, encoder)
         return None
 
-    def _execute_draft(self, runs: list[tuple[ServeRequest, int, int]]) -> None:
+    def _execute_draft(self, runs: list[tuple[ServeRequest, int, int, bool]]) -> None:
         """The draft model's KV on its own data plane: it prefills the step's context chunks
         and writes the positions it drafts from (`p .. p + k - 1` of a decoder at `p`, after
         catching up on the last accepted one it never drafted from)."""
@@ -406,7 +412,7 @@ class ServeLoop:
         ops = list(draft.copy_ops)
         draft.copy_ops.clear()
         items = []
-        for r, start, end in runs:
+        for r, start, end, _ in runs:
             if r.phase is Phase.DECODE:
                 end -= 1  # the target's token after the last draft is not drafted from
                 start = min(start, ends.get(r.idx, start))
@@ -418,8 +424,12 @@ class ServeLoop:
             self.draft_plane.execute_step(ops, items)
 
     def _stream(self, r: ServeRequest, beam: int = 0) -> np.ndarray:
+        """Token ids of beam `beam` of `r`'s stream; beam -1: its encoder input's
+        (`cross.encoder_ids`)."""
         tokens = self._tokens.get((r.idx, beam))
-        if tokens is None:
+        if tokens is None and beam < 0:
+            tokens = self._tokens[(r.idx, beam)] = encoder_ids(r.request.encoder)
+        elif tokens is None:
             tokens = self._tokens[(r.idx, beam)] = beam_tokens(
                 r.request, beam, r.context_len, r.request.stream_length)
         return tokens
@@ -724,7 +734,7 @@ class ServeLoop:
 
     def _drop_tokens(self, r: ServeRequest) -> None:
         self._draft_end.pop(r.idx, None)
-        for beam in range(r.request.beam_width):
+        for beam in range(-1, r.request.beam_width):
             self._tokens.pop((r.idx, beam), None)
 
     def _release(self, r: ServeRequest) -> None:

@@ -56,6 +56,9 @@ def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.
 class PagedBatch:
     """One pool's items of one kind (context or decode) in a step, as page tables."""
 
+    causal = True
+    """Queries see keys up to their own position (a `CrossBatch` sees every key)."""
+
     __slots__ = (
         "items", "pool", "window", "decode", "tpb", "num_layers", "kv_start", "kv_len",
         "qo_indptr", "kv_indptr", "last_page_len", "pages", "scratch_mask", "has_scratch",
@@ -174,6 +177,88 @@ class PagedBatch:
         """The keys each item's queries read: from the window's start (`windowed`) or the
         page table's start, to the item's end."""
         return KeyIndex(self, windowed)
+
+
+class CrossBatch(PagedBatch):
+    """Cross-attention of a decoder batch: the queries of its items that have an encoder
+    input (`StepItem.cross`) attend, non-causally, to every position of that input, read
+    through its cross page table at the decoder pool's layers.
+
+    The cross pool holds every model layer (block `b` of layer `l` is page `b * L + l`), so
+    `pages_dev[i]` holds the pages of `layers[i]`. Items are the encoder inputs (tokens, cross
+    blocks, positions `[0, len)`); `start` is the decoder item's first query position, for
+    reports. `new_positions` gives each query the last encoder position, so the causal mask
+    of the shared reference (`attend_segments`) hides nothing but padding. `query_index`
+    selects the queries in the decoder batch's order (device tensor)."""
+
+    __slots__ = ("query_index",)
+    causal = False
+
+    def __init__(self, batch: PagedBatch, cross: PoolTensors, layers: Sequence[int],
+                 device: torch.device) -> None:
+        tpb = batch.tpb
+        spec = cross.spec
+        rows, queries, pages = [], [], []
+        for i, it in enumerate(batch.items):
+            if it.cross is None:
+                continue
+            c = it.cross
+            npages = -(-len(c.tokens) // tpb)
+            if len(c.blocks) < npages:
+                raise ValueError(f"request {it.request_id}: cross page table has "
+                                 f"{len(c.blocks)} blocks, its encoder input needs {npages}")
+            blocks = np.asarray(c.blocks[:npages], dtype=np.int64)
+            if ((blocks < 0) | (blocks >= spec.num_gpu_slots)).any():
+                raise ValueError(f"request {it.request_id}: cross page table names a block "
+                                 f"outside the cross pool")
+            rows.append(_CrossRow(it.request_id, c.tokens, blocks, it.start))
+            queries.append(np.arange(batch.qo_indptr[i], batch.qo_indptr[i + 1]))
+            pages.append(blocks * cross.num_layers)
+        n = len(rows)
+        self.items = rows
+        self.pool = cross
+        self.window = None
+        self.decode = batch.decode
+        self.tpb = tpb
+        self.num_layers = len(layers)
+        self.kv_start = np.zeros(n, np.int64)
+        self.kv_len = np.array([len(r.tokens) for r in rows], np.int64)
+        counts = np.array([len(q) for q in queries], np.int64)
+        self.qo_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.kv_indptr = np.concatenate(
+            [[0], np.cumsum([len(p) for p in pages])]).astype(np.int64)
+        self.last_page_len = self.kv_len - (np.diff(self.kv_indptr) - 1) * tpb
+        self.pages = np.concatenate(pages) if pages else np.zeros(0, np.int64)
+        self.scratch_mask = np.zeros(len(self.pages), bool)
+        self.has_scratch = False
+        self.tok_batch = np.repeat(np.arange(n, dtype=np.int64), counts)
+        self.new_positions = (self.kv_len - 1)[self.tok_batch]
+        self.new_tokens = None
+        self.tok_rel = self.tok_page = self.write_page = self.write_slot = None
+        self.device = device
+        lay = np.asarray(layers, dtype=np.int64)[:, None]
+        self.pages_dev, self.query_index = to_device(
+            [self.pages[None, :] + lay,
+             np.concatenate(queries) if queries else np.zeros(0, np.int64)], device)
+
+    @staticmethod
+    def wanted(batch: PagedBatch) -> bool:
+        return any(it.cross is not None for it in batch.items)
+
+
+class _CrossRow:
+    """An encoder input as an item of a `CrossBatch` (the fields the verifier reads)."""
+
+    __slots__ = ("request_id", "tokens", "blocks", "start", "first_block", "scratch")
+
+    def __init__(self, request_id: int, tokens: np.ndarray, blocks: np.ndarray,
+                 start: int) -> None:
+        self.request_id = request_id
+        self.tokens = tokens
+        self.blocks = blocks
+        self.start = start
+        self.first_block = 0
+        self.scratch = None
 
 
 class KeyIndex:

@@ -11,6 +11,14 @@ Wiring it into an engine loop (cache mode does this per request, serve mode per 
         StepItem(req.id, sequence_tokens(req, end), seq.blocks, start, end)
         for req, seq, start, end in scheduled])  # [start, end): the chunk, or one decode token
     ...
+
+Encoder-decoder models get a cross pool (`open_data_plane(..., cross=PoolSpec(...))`, every
+layer, block ids of the cross-attention cache): a request's first step writes its encoder
+K/V there (`execute_step(..., encoder=[StepItem(...)])`, positions past what it reused), and
+every step item with `cross=CrossKV(encoder tokens, cross blocks)` also attends to all of it,
+non-causally (`attention.CrossBatch`, one batch per decoder batch, every layer at once). The
+verifier checks those pages bit for bit against the encoder's K/V generator and the
+cross-attention output against dense recomputation.
     metrics.update(plane.metrics())
 
 `execute_step` builds the step's page tables (one batch per pool and kind: context or decode,
@@ -38,11 +46,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..cache.ids import CopyOp
-from .attention import PagedBatch, TorchBackend, write_kv
+from .attention import CrossBatch, PagedBatch, TorchBackend, write_kv
 from .copies import CopyExecutor
-from .model import SyntheticModel
+from .model import ENCODER_SEED, SyntheticModel
 from .step import BackendUnavailable, Mismatch, ModelShape, PoolSpec, StepCheck, StepItem
-from .storage import QUERY_DTYPES, STORAGE_DTYPES, make_pools
+from .storage import QUERY_DTYPES, STORAGE_DTYPES, PoolTensors, make_pools
 from .verify import Verifier
 
 VERIFY_MODES = ("all", "sample", "off")
@@ -69,25 +77,28 @@ def resolve_backend(requested: str, dtype: str) -> str:
 
 def open_data_plane(model, tokens_per_block: int, pools: Sequence[PoolSpec], *,
                     backend: str = "auto", verify: str = "all", seed: int = 0,
-                    engine=None, lazy_times: bool = False) -> DataPlane:
+                    engine=None, lazy_times: bool = False,
+                    cross: PoolSpec | None = None) -> DataPlane:
     """A data plane for the workload's `model:` section; raises BackendUnavailable when the
     backend asked for cannot run here. `engine` (a `LinearWork`) adds the engine's linear
     layers to every step's timed work (a measured clock, which needs each step's time at
-    once); `lazy_times` lets the host run ahead of the GPU when nobody does."""
+    once); `lazy_times` lets the host run ahead of the GPU when nobody does. `cross`: the
+    cross-attention pool of an encoder-decoder model (every layer)."""
     shape = ModelShape.of(model, tokens_per_block)
     name = resolve_backend(backend, shape.dtype)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return DataPlane(shape, pools, backend=name, device=device, verify=verify, seed=seed,
-                     engine=engine, lazy_times=lazy_times)
+                     engine=engine, lazy_times=lazy_times, cross=cross)
 
 
 class DataPlane:
     """Paged K/V tensors per pool, the copy executor, the synthetic model, one attention
-    backend and the verifier; `execute_step` is its whole per-step interface."""
+    backend and the verifier; `execute_step` is its whole per-step interface. With a `cross`
+    pool, its tensors come last in `pools` (index `cross_pool`, the key of its copy ops)."""
 
     def __init__(self, shape: ModelShape, pools: Sequence[PoolSpec], *, backend: str = "torch",
                  device: torch.device | str = "cpu", verify: str = "all", seed: int = 0,
-                 engine=None, lazy_times: bool = False) -> None:
+                 engine=None, lazy_times: bool = False, cross: PoolSpec | None = None) -> None:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}")
         self.shape = shape
@@ -97,6 +108,13 @@ class DataPlane:
             # save (measured 20-30x slower gathers and matmuls with 2 threads on 2-core hosts).
             torch.set_num_threads(1)
         self.pools = make_pools(shape, pools, self.device)
+        self.num_decoder_pools = len(self.pools)
+        self.cross_pool: int | None = None
+        if cross is not None:
+            if cross.layers != tuple(range(shape.num_layers)) or cross.window is not None:
+                raise ValueError("the cross pool holds every layer, with no window")
+            self.cross_pool = len(self.pools)
+            self.pools.append(PoolTensors(shape, cross, self.device))
         self._timed = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self._timed else None
         self.copier = CopyExecutor(self.pools, self.device)
@@ -107,15 +125,20 @@ class DataPlane:
             from .flashinfer_backend import FlashInferBackend
 
             self.backend = FlashInferBackend(shape, self.device)
-            self.backend.warm_up([p.spec.window for p in self.pools])
+            self.backend.warm_up([p.spec.window for p in self.pools[:self.num_decoder_pools]],
+                                 cross=cross is not None)
         else:
             raise ValueError(f"unknown backend {backend!r}")
         if engine is not None and not self._timed:
             raise ValueError("the engine's linear layers run only on CUDA")
         self.engine = engine
         self.verify = verify
-        self.verifier = Verifier(self.model, shape.dtype,
-                                 lambda pool, block: self.copier.origin[pool].get(block))
+        origin = lambda pool, block: self.copier.origin[pool].get(block)  # noqa: E731
+        self.verifier = Verifier(self.model, shape.dtype, origin)
+        self.cross_model = self.cross_verifier = None
+        if cross is not None:
+            self.cross_model = SyntheticModel(shape, seed + ENCODER_SEED, self.device)
+            self.cross_verifier = Verifier(self.cross_model, shape.dtype, origin, "cross ")
         self._sampler = random.Random(seed)
         self._kv_dtype = STORAGE_DTYPES[shape.dtype]
         self._q_dtype = QUERY_DTYPES[shape.dtype]
@@ -139,7 +162,7 @@ class DataPlane:
         self._pending: deque[_Marks] = deque()
 
     def execute_step(self, copy_ops: Sequence[CopyOp] | Mapping[int, Sequence[CopyOp]],
-                     items: Sequence[StepItem]) -> StepCheck:
+                     items: Sequence[StepItem], encoder: Sequence[StepItem] = ()) -> StepCheck:
         """Run one engine step.
 
         `copy_ops`: the step's copy ops in emission order, for pool 0, or `{pool: ops}` with
@@ -147,7 +170,9 @@ class DataPlane:
         pool) that computes tokens this step; a one-token item (decode) runs the decode
         kernel, any other the causal prefill kernel. Raises ValueError for a page table that
         cannot serve its item (a block missing, an id outside the pool): that is a caller bug,
-        not a data mismatch.
+        not a data mismatch. `encoder`: the encoder inputs whose cross K/V this step writes,
+        as items of the cross pool (encoder tokens, cross blocks, positions `[start, end)`:
+        past what the input reused); an item with `cross` attends to it after the writes.
         """
         t_start = time.perf_counter()
         step = self.steps
@@ -165,12 +190,23 @@ class DataPlane:
         # layers produce them; those are timed instead), attention plans. A batch with
         # scratch pages runs layer by layer (every layer reuses the scratch page), planned
         # and, when checked, verified between layers.
-        whole, layered = [], []
+        whole, layered, crosses = [], [], []
+        enc = None
         tokens = 0
+        if encoder:
+            cross = self._cross_tensors()
+            eb = PagedBatch(encoder, cross, self.shape.tokens_per_block, self.device,
+                            decode=False)
+            rows = self.cross_model.rows(eb.new_tokens, eb.new_positions)
+            enc = eb, self.cross_model.qkv_all(rows, cross.spec.layers, self._kv_dtype, None)[0]
         for pool, batch in self._batches(items):
             layers = self.pools[pool].spec.layers
             rows = self.model.rows(batch.new_tokens, batch.new_positions)
             new_kv, q = self.model.qkv_all(rows, layers, self._kv_dtype, self._q_dtype)
+            if CrossBatch.wanted(batch):
+                cb = CrossBatch(batch, self._cross_tensors(), layers, self.device)
+                qc = q.index_select(1, cb.query_index)
+                crosses.append((pool, cb, qc, self.backend.plan(pool, cb, buffer)))
             if batch.has_scratch:
                 layered.append((pool, batch, new_kv, q))
             else:
@@ -193,6 +229,8 @@ class DataPlane:
         marks.join()
         for pool, batch, new_kv, _, _ in whole:
             write_kv(self.pools[pool].gpu, batch, new_kv)
+        if enc is not None:
+            write_kv(self.pools[self.cross_pool].gpu, *enc)
         marks.record("write")
         worst = 0.0
         mismatch = None
@@ -212,6 +250,8 @@ class DataPlane:
                     mismatch = mismatch or found
         outs = [self.backend.run(self.pools[pool].gpu, batch, q, plan)
                 for pool, batch, _, q, plan in whole]
+        cross_outs = [self.backend.run(self.pools[self.cross_pool].gpu, cb, qc, plan)
+                      for _, cb, qc, plan in crosses]
         marks.record("attention")
         self.host_s += time.perf_counter() - t0
         if self.lazy_times:
@@ -224,6 +264,12 @@ class DataPlane:
                 tensors = self.pools[pool]
                 err, found = self.verifier.check(step, tensors.gpu, batch, pool,
                                                  tensors.spec.layers, q, out)
+                worst = max(worst, err)
+                mismatch = mismatch or found
+            for (pool, cb, qc, _), out in zip(crosses, cross_outs):
+                err, found = self.cross_verifier.check(
+                    step, self.pools[self.cross_pool].gpu, cb, self.cross_pool,
+                    self.pools[pool].spec.layers, qc, out)
                 worst = max(worst, err)
                 mismatch = mismatch or found
         self.copied_blocks += copied
@@ -278,10 +324,15 @@ class DataPlane:
             })
         return out
 
+    def _cross_tensors(self) -> PoolTensors:
+        if self.cross_pool is None:
+            raise ValueError("cross-attention work on a data plane without a cross pool")
+        return self.pools[self.cross_pool]
+
     def _batches(self, items: Sequence[StepItem]):
         by_pool: dict[int, tuple[list[StepItem], list[StepItem]]] = {}
         for it in items:
-            if not 0 <= it.pool < len(self.pools):
+            if not 0 <= it.pool < self.num_decoder_pools:
                 raise ValueError(f"request {it.request_id}: no pool {it.pool}")
             ctx, dec = by_pool.setdefault(it.pool, ([], []))
             (dec if it.end - it.start == 1 else ctx).append(it)

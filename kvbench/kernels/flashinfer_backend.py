@@ -2,8 +2,10 @@
 
 Context items run through `BatchPrefillWithPagedKVCacheWrapper` (causal), decode items through
 `BatchDecodeWithPagedKVCacheWrapper`, both with `window_left = W - 1` for a sliding-window
-pool. A batch is planned once per step for every
-layer of its pool at once: each (item, layer) is one entry of the plan with that layer's page
+pool. Cross-attention batches (`attention.CrossBatch`: decoder queries over the encoder's
+pages) run through the same two wrappers on the cross pool's tensor, prefill with
+`causal=False` (decode attends to its whole page table anyway), in wrappers of their own.
+A batch is planned once per step for every layer of its pool at once: each (item, layer) is one entry of the plan with that layer's page
 indices (`slot * L + l`, or the scratch page), so one kernel launch runs the whole step's
 attention of that kind. New K/V go in with one scatter over all layers (`attention.write_kv`).
 """
@@ -57,30 +59,35 @@ class FlashInferBackend:
         self.device = device
         self.kernel_backend = kernel_backend
         # One wrapper per batch of a step (plans must live until their batch runs): a step
-        # has one context and one decode batch per pool; two sets for alternate steps.
-        self._wrappers: dict[tuple[int, bool, int], object] = {}
+        # has one context and one decode batch per pool, and as many cross batches; two sets
+        # for alternate steps.
+        self._wrappers: dict[tuple[int, bool, int, bool], object] = {}
 
-    def warm_up(self, windows) -> None:
+    def warm_up(self, windows, cross: bool = False) -> None:
         """Build (JIT) and load the kernels a run needs, before anything is timed: the causal
         prefill and the tensor-core decode kernels, with and without a sliding window as the
-        pools have them, on a one-page cache."""
+        pools have them, and the non-causal prefill with a `cross` pool, on a one-page
+        cache."""
         s = self.shape
         kv = torch.zeros((1, 2, s.tokens_per_block, s.num_kv_heads, s.head_dim),
                          dtype=self.kv_dtype, device=self.device)
         q = torch.zeros((1, s.num_q_heads, s.head_dim), dtype=self.q_dtype, device=self.device)
         one = torch.tensor([0, 1], dtype=torch.int32)
-        for window in sorted(set(windows), key=lambda w: -1 if w is None else w):
+        kinds = [(w, d, True) for w in sorted(set(windows), key=lambda w: -1 if w is None else w)
+                 for d in (False, True)]
+        if cross:
+            kinds.append((None, False, False))
+        for window, decode, causal in kinds:
             window_left = window - 1 if window is not None else -1
-            for decode in (False, True):
-                w = self._wrapper(0, decode)
-                self._plan_tables(w, decode, one, one, torch.zeros(1, dtype=torch.int32,
-                                  device=self.device), torch.tensor([1], dtype=torch.int32),
-                                  s.tokens_per_block, window_left)
-                w.run(q, kv)
+            w = self._wrapper(0, decode, 0, causal)
+            self._plan_tables(w, decode, one, one, torch.zeros(1, dtype=torch.int32,
+                              device=self.device), torch.tensor([1], dtype=torch.int32),
+                              s.tokens_per_block, window_left, causal)
+            w.run(q, kv)
         torch.cuda.synchronize(self.device)
 
-    def _wrapper(self, pool: int, decode: bool, buffer: int = 0):
-        key = (pool, decode, buffer)
+    def _wrapper(self, pool: int, decode: bool, buffer: int = 0, causal: bool = True):
+        key = (pool, decode, buffer, causal)
         w = self._wrappers.get(key)
         if w is None:
             ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
@@ -97,7 +104,7 @@ class FlashInferBackend:
         return w
 
     def _plan_tables(self, w, decode: bool, qo, kv_indptr, indices, last, tpb: int,
-                     window_left: int) -> None:
+                     window_left: int, causal: bool = True) -> None:
         s = self.shape
         if decode:
             w.plan(kv_indptr, indices, last, s.num_q_heads, s.num_kv_heads, s.head_dim, tpb,
@@ -105,22 +112,24 @@ class FlashInferBackend:
                    q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, non_blocking=True)
         else:
             w.plan(qo, kv_indptr, indices, last, s.num_q_heads, s.num_kv_heads, s.head_dim,
-                   tpb, causal=True, window_left=window_left, q_data_type=self.q_dtype,
+                   tpb, causal=causal, window_left=window_left, q_data_type=self.q_dtype,
                    kv_data_type=self.kv_dtype, non_blocking=True)
 
     def plan(self, pool: int, batch: PagedBatch, buffer: int = 0):
         """One plan for every layer of the batch: entry `l * n + i` is item `i` at layer `l`
         (`PagedBatch.layer_tables`), page indices are the layer's own (scratch pages the
         same in every layer). `buffer` picks one of the wrapper sets that consecutive steps
-        alternate between. Returns the planned wrapper, for `run`."""
+        alternate between; `pool` is the decoder pool's, for a cross batch too. Returns the
+        planned wrapper, for `run`."""
         # Pinned: FlashInfer copies them to the GPU, which from pageable memory would make
         # the host wait.
         qo, kv_indptr, last = (torch.from_numpy(a.astype(np.int32)).pin_memory()
                                for a in batch.layer_tables())
         indices = batch.pages_dev.view(-1).to(torch.int32)
         window_left = batch.window - 1 if batch.window is not None else -1
-        w = self._wrapper(pool, batch.decode, buffer)
-        self._plan_tables(w, batch.decode, qo, kv_indptr, indices, last, batch.tpb, window_left)
+        w = self._wrapper(pool, batch.decode, buffer, batch.causal)
+        self._plan_tables(w, batch.decode, qo, kv_indptr, indices, last, batch.tpb, window_left,
+                          batch.causal)
         return w
 
     def run(self, kv: torch.Tensor, batch: PagedBatch, q: torch.Tensor, plan) -> torch.Tensor:

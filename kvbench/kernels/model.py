@@ -25,6 +25,9 @@ TABLE_ROWS = 1024
 MAX_TEMP_BYTES = 256 * 1024 * 1024
 """Float32 temporaries of one `qkv_all` layer group (a long prefill chunk at many layers would
 otherwise hold gigabytes at once)."""
+ENCODER_SEED = 0x5EED_E0C0
+"""Added to the run's seed for the encoder's K/V generator (cross-attention): its own tables
+and layer patterns, so an encoder token's K/V differ from the same token's decoder K/V."""
 _MASK = (1 << 64) - 1
 _TOKEN_SALT = 0x5EED_0001
 _POS_SALT = 0x5EED_0002

@@ -106,6 +106,21 @@ class PoolSpec:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class CrossKV:
+    """A request's encoder KV in the data plane's cross pool (encoder-decoder models): every
+    query of the request's step items attends to all of it, non-causally, at each layer."""
+
+    tokens: np.ndarray
+    """The encoder input's token ids (its length is the number of keys)."""
+    blocks: Sequence[int]
+    """Cross page table: GPU block ids of the cross pool, covering every encoder position."""
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) == 0:
+            raise ValueError("an encoder input has at least one token")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class StepItem:
     """One sequence's work in one step, for one pool: compute positions `[start, end)`.
 
@@ -114,7 +129,8 @@ class StepItem:
     position a query of this step attends to and every position it computes. `scratch` maps
     a block index (counted from the sequence's start) to an explicit page of the pool's GPU
     tensor used in every layer (a scratch slot's slice). `tokens` holds the token ids of at
-    least positions `[0, end)`; the arrays are only read during the call.
+    least positions `[0, end)`; the arrays are only read during the call. `cross`: the
+    request's encoder KV, which the item's queries also attend to (cross-attention).
     """
 
     request_id: int
@@ -125,6 +141,7 @@ class StepItem:
     pool: int = 0
     first_block: int = 0
     scratch: Mapping[int, int] | None = None
+    cross: CrossKV | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end:
@@ -144,7 +161,9 @@ class Mismatch:
     layer: int
     kind: str
     """`kv`: a page holds K/V other than the token's (wrong page, missed copy, overwritten
-    block); `attention`: K/V were right but the kernel's output was not."""
+    block); `attention`: K/V were right but the kernel's output was not; `cross kv` and
+    `cross attention`: the same for a cross page (position and block index are then the
+    encoder's, except an attention mismatch's position: the decoder query's)."""
     position: int
     """Token position (kv: the key's; attention: the worst query's)."""
     block_index: int

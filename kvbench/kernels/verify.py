@@ -41,13 +41,16 @@ class Verifier:
     """Checks one batch of one pool, every layer at once. `origin(pool, block)` names the
     copy that last filled a GPU block, for the report."""
 
-    __slots__ = ("model", "dtype", "atol", "rtol", "origin")
+    __slots__ = ("model", "dtype", "atol", "rtol", "origin", "kind_prefix")
 
-    def __init__(self, model: SyntheticModel, dtype: str, origin) -> None:
+    def __init__(self, model: SyntheticModel, dtype: str, origin, kind_prefix: str = "") -> None:
         self.model = model
         self.dtype = STORAGE_DTYPES[dtype]
         self.atol, self.rtol = TOLERANCES[dtype]
         self.origin = origin
+        self.kind_prefix = kind_prefix
+        """`cross ` for the verifier of cross batches (`attention.CrossBatch`), whose model
+        is the encoder's K/V generator."""
 
     def check(self, step: int, kv: torch.Tensor, batch: PagedBatch, pool: int,
               layers: tuple[int, ...], q: torch.Tensor, out: torch.Tensor
@@ -120,19 +123,18 @@ class Verifier:
     def _mismatch(self, step: int, it: StepItem, batch: PagedBatch, pool: int, i: int,
                   local: int, layer: int, kind: str, position: int, error: float,
                   tolerance: float) -> Mismatch:
-        index = position // batch.tpb
+        index = position // batch.tpb if kind.endswith("kv") or batch.causal else 0
         entry = index - it.first_block
-        page = int(batch.pages[int(batch.kv_indptr[i]) + entry])
+        page = int(batch.pages_dev[local, int(batch.kv_indptr[i]) + entry])
         scratch = it.scratch is not None and index in it.scratch
         if scratch:
             block_id, tier = None, "scratch"
         else:
-            page += local
             block_id = int(it.blocks[entry])
             source = self.origin(pool, block_id)
             tier = f"GPU ({source})" if source else "GPU"
-        return Mismatch(step, it.request_id, layer, kind, position, index, block_id, page, tier,
-                        error, tolerance)
+        return Mismatch(step, it.request_id, layer, self.kind_prefix + kind, position, index,
+                        block_id, page, tier, error, tolerance)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}

@@ -259,9 +259,9 @@ def test_data_plane_verifies_every_beam(batch_add):
     seen = []
     execute = p.execute_step
 
-    def record(ops, items):
+    def record(ops, items, encoder=()):
         seen.extend((it.request_id, tuple(it.blocks)) for it in items)
-        return execute(ops, items)
+        return execute(ops, items, encoder)
 
     p.execute_step = record
     m, result, _ = serve(beam_requests(3), blocks=30, host=6, plane=p, batch_add=batch_add,

@@ -75,9 +75,9 @@ class Serve:
         self.ran = {}
         execute = self.plane.execute_step
 
-        def record(ops, items):
+        def record(ops, items, encoder=()):
             self.ran[loop.step] = sorted((it.request_id, it.start, it.end) for it in items)
-            return execute(ops, items)
+            return execute(ops, items, encoder)
 
         self.plane.execute_step = record
         self.result = loop.run()

@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer")
 
 from kvbench.cache.ids import BlockId, CopyKind, CopyOp, Tier  # noqa: E402
-from kvbench.kernels.attention import PagedBatch, TorchBackend  # noqa: E402
+from kvbench.kernels.attention import CrossBatch, PagedBatch, TorchBackend  # noqa: E402
 from kvbench.kernels.dataplane import DataPlane, open_data_plane  # noqa: E402
-from kvbench.kernels.step import ModelShape, PoolSpec, StepItem  # noqa: E402
+from kvbench.kernels.step import CrossKV, ModelShape, PoolSpec, StepItem  # noqa: E402
 from kvbench.kernels.verify import TOLERANCES  # noqa: E402
 
 TPB = 16
@@ -64,6 +64,36 @@ def test_flashinfer_output_matches_torch_backend_on_the_same_cache():
     kv = dp.pools[0].gpu
     got = dp.backend.run(kv, batch, q, dp.backend.plan(0, batch)).float()
     want = TorchBackend().run(kv, batch, q)
+    atol, rtol = TOLERANCES["bfloat16"]
+    assert float((got - want).abs().max()) <= atol + rtol * float(want.abs().max())
+
+
+def test_cross_attention_non_causal_prefill_and_decode_verify():
+    """Encoder K/V written once into the cross pool; a long prefill chunk (more queries than
+    encoder keys), a short one and decodes attend to all of it, non-causally."""
+    dp = DataPlane(SHAPE, [PoolSpec((0, 1), 64)], backend="flashinfer", device=CUDA,
+                   cross=PoolSpec((0, 1), 16))
+    enc = tokens(45, 20)
+    view = CrossKV(enc, [7, 3, 11])
+    a, b = tokens(120, 21), tokens(20, 22)
+    check = dp.execute_step([], [StepItem(1, a, list(range(8)), 0, 100, cross=view),
+                                 StepItem(2, b, [20, 21], 0, 10)],
+                            encoder=[StepItem(1, enc, [7, 3, 11], 0, 45)])
+    assert check.verified, check.mismatch
+    for pos in range(100, 103):
+        check = dp.execute_step([], [StepItem(1, a, list(range(8)), pos, pos + 1, cross=view),
+                                     StepItem(2, b, [20, 21], pos - 90, pos - 89,
+                                              cross=view)])
+        assert check.verified, check.mismatch
+    items = [StepItem(1, a, list(range(8)), 103, 110, cross=view)]
+    batch = PagedBatch(items, dp.pools[0], TPB, CUDA, decode=False)
+    cb = CrossBatch(batch, dp.pools[dp.cross_pool], (0, 1), CUDA)
+    _, q = dp.model.qkv_all(dp.model.rows(batch.new_tokens, batch.new_positions), (0, 1),
+                            torch.bfloat16, torch.bfloat16)
+    q = q.index_select(1, cb.query_index)
+    kv = dp.pools[dp.cross_pool].gpu
+    got = dp.backend.run(kv, cb, q, dp.backend.plan(0, cb)).float()
+    want = TorchBackend().run(kv, cb, q)
     atol, rtol = TOLERANCES["bfloat16"]
     assert float((got - want).abs().max()) <= atol + rtol * float(want.abs().max())
 

@@ -341,10 +341,10 @@ def test_data_plane_verifies_every_beam_in_every_pool(seed):
     seen = {}
     execute = p.execute_step
 
-    def record(ops, items):
+    def record(ops, items, encoder=()):
         for it in items:
             seen.setdefault((it.request_id, it.pool), set()).add(tuple(it.blocks[-1:]))
-        return execute(ops, items)
+        return execute(ops, items, encoder)
 
     p.execute_step = record
     result = serve(beam_requests(seed), m, plane=p, bulk=False, batch_add=seed % 2 == 1)

@@ -64,9 +64,7 @@ def replay_cache_mode(
         if data_plane is not None:
             _data_plane_step(data_plane, manager, r, seq, cross, cseq)
         if cseq is not None:
-            cross.commit(cseq, cseq.request.input_length)
-            cross.release(cseq)
-            tally.count(cseq)
+            tally.count(_encoded(cross, cseq))
         in_use = pool.num_in_use
         manager.commit(seq, r.input_length)
         manager.release(seq)
@@ -94,6 +92,13 @@ def _encode(cross: KVCacheManager, r: Request):
     cseq = cross.add_sequence(r.encoder)
     if not cross.resize(cseq, r.encoder.input_length):
         raise ValueError(f"request {r.id}: its encoder input does not fit the cross cache")
+    return cseq
+
+
+def _encoded(cross: KVCacheManager, cseq):
+    """Commit (the encoder's KV is written) and release a request's encoder input."""
+    cross.commit(cseq, cseq.request.input_length)
+    cross.release(cseq)
     return cseq
 
 

@@ -190,27 +190,25 @@ class DataPlane:
         # layers produce them; those are timed instead), attention plans. A batch with
         # scratch pages runs layer by layer (every layer reuses the scratch page), planned
         # and, when checked, verified between layers.
-        whole, layered, crosses = [], [], []
-        enc = None
+        # `writes`: (tensor, batch, K/V); `attend`: (verifier, pool, tensor, batch, layers, q,
+        # plan), cross-attention batches (`CrossBatch`) among them.
+        writes, layered, attend = [], [], []
         tokens = 0
         if encoder:
-            cross = self._cross_tensors()
-            eb = PagedBatch(encoder, cross, self.shape.tokens_per_block, self.device,
-                            decode=False)
-            rows = self.cross_model.rows(eb.new_tokens, eb.new_positions)
-            enc = eb, self.cross_model.qkv_all(rows, cross.spec.layers, self._kv_dtype, None)[0]
+            writes.append(self._encoder_writes(encoder))
         for pool, batch in self._batches(items):
-            layers = self.pools[pool].spec.layers
+            tensors = self.pools[pool]
+            layers = tensors.spec.layers
             rows = self.model.rows(batch.new_tokens, batch.new_positions)
             new_kv, q = self.model.qkv_all(rows, layers, self._kv_dtype, self._q_dtype)
-            if CrossBatch.wanted(batch):
-                cb = CrossBatch(batch, self._cross_tensors(), layers, self.device)
-                qc = q.index_select(1, cb.query_index)
-                crosses.append((pool, cb, qc, self.backend.plan(pool, cb, buffer)))
             if batch.has_scratch:
                 layered.append((pool, batch, new_kv, q))
             else:
-                whole.append((pool, batch, new_kv, q, self.backend.plan(pool, batch, buffer)))
+                writes.append((tensors.gpu, batch, new_kv))
+                attend.append((self.verifier, pool, tensors.gpu, batch, layers, q,
+                               self.backend.plan(pool, batch, buffer)))
+            if CrossBatch.wanted(batch):
+                attend.append(self._cross_attention(pool, batch, layers, q, buffer))
             if pool == 0:
                 tokens += len(batch.new_tokens)
         if self.engine is not None:
@@ -227,10 +225,8 @@ class DataPlane:
             self.engine.run(tokens)
         marks.record("linear")
         marks.join()
-        for pool, batch, new_kv, _, _ in whole:
-            write_kv(self.pools[pool].gpu, batch, new_kv)
-        if enc is not None:
-            write_kv(self.pools[self.cross_pool].gpu, *enc)
+        for kv, batch, new_kv in writes:
+            write_kv(kv, batch, new_kv)
         marks.record("write")
         worst = 0.0
         mismatch = None
@@ -248,10 +244,7 @@ class DataPlane:
                                                      q[local:local + 1], out)
                     worst = max(worst, err)
                     mismatch = mismatch or found
-        outs = [self.backend.run(self.pools[pool].gpu, batch, q, plan)
-                for pool, batch, _, q, plan in whole]
-        cross_outs = [self.backend.run(self.pools[self.cross_pool].gpu, cb, qc, plan)
-                      for _, cb, qc, plan in crosses]
+        outs = [self.backend.run(kv, batch, q, plan) for _, _, kv, batch, _, q, plan in attend]
         marks.record("attention")
         self.host_s += time.perf_counter() - t0
         if self.lazy_times:
@@ -260,16 +253,8 @@ class DataPlane:
         else:
             times = marks.totals()
         if check:
-            for (pool, batch, _, q, _), out in zip(whole, outs):
-                tensors = self.pools[pool]
-                err, found = self.verifier.check(step, tensors.gpu, batch, pool,
-                                                 tensors.spec.layers, q, out)
-                worst = max(worst, err)
-                mismatch = mismatch or found
-            for (pool, cb, qc, _), out in zip(crosses, cross_outs):
-                err, found = self.cross_verifier.check(
-                    step, self.pools[self.cross_pool].gpu, cb, self.cross_pool,
-                    self.pools[pool].spec.layers, qc, out)
+            for (verifier, pool, kv, batch, layers, q, _), out in zip(attend, outs):
+                err, found = verifier.check(step, kv, batch, pool, layers, q, out)
                 worst = max(worst, err)
                 mismatch = mismatch or found
         self.copied_blocks += copied
@@ -328,6 +313,24 @@ class DataPlane:
         if self.cross_pool is None:
             raise ValueError("cross-attention work on a data plane without a cross pool")
         return self.pools[self.cross_pool]
+
+    def _encoder_writes(self, encoder: Sequence[StepItem]):
+        """(tensor, batch, K/V) of the step's encoder writes into the cross pool."""
+        cross = self._cross_tensors()
+        batch = PagedBatch(encoder, cross, self.shape.tokens_per_block, self.device,
+                           decode=False)
+        rows = self.cross_model.rows(batch.new_tokens, batch.new_positions)
+        kv, _ = self.cross_model.qkv_all(rows, cross.spec.layers, self._kv_dtype, None)
+        return cross.gpu, batch, kv
+
+    def _cross_attention(self, pool: int, batch: PagedBatch, layers, q, buffer: int):
+        """The `attend` entry of a decoder batch's cross attention: its items' queries with
+        an encoder input, over their cross pages at the pool's layers, verified against the
+        encoder's K/V generator."""
+        cross = self._cross_tensors()
+        cb = CrossBatch(batch, cross, layers, self.device)
+        return (self.cross_verifier, self.cross_pool, cross.gpu, cb, layers,
+                q.index_select(1, cb.query_index), self.backend.plan(pool, cb, buffer))
 
     def _batches(self, items: Sequence[StepItem]):
         by_pool: dict[int, tuple[list[StepItem], list[StepItem]]] = {}

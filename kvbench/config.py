@@ -172,6 +172,59 @@ class HardwareConfig(_Section):
     )
 
 
+class SLRUConfig(_Section):
+    """Segmented LRU with a ghost history (`cache.eviction_policy: slru`)."""
+
+    protected_ratio: float = Field(
+        0.8, gt=0, lt=1, description="Most of the pool the protected segment may hold.")
+    history_ratio: float = Field(
+        8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks.")
+
+
+class S3FIFOConfig(_Section):
+    """S3-FIFO (`cache.eviction_policy: s3fifo`)."""
+
+    small_ratio: float = Field(
+        0.1, gt=0, lt=1, description="Share of the pool the small FIFO aims at.")
+    max_freq: int = Field(3, ge=1, le=255, description="Accesses counted per block.")
+    history_ratio: float = Field(
+        1.0, gt=0, description="Ghost keys remembered, as a multiple of the pool's blocks.")
+
+
+class GDSFConfig(_Section):
+    """Depth- and chain-aware GDSF (`cache.eviction_policy: gdsf`)."""
+
+    freq_weight: float = Field(
+        1.0, ge=0, description="Score gained per earlier use of the block's key.")
+    max_freq: int = Field(16, ge=1, le=255, description="Uses beyond this count no more.")
+    history_ratio: float = Field(
+        8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks.")
+
+
+class PredictiveConfig(_Section):
+    """Online-learnt reuse chance per use-count class (`cache.eviction_policy: predictive`)."""
+
+    horizon_ratio: float = Field(
+        16.0, gt=0, description="Reuse counts as soon within this many pool sizes of traffic.")
+    boost: float = Field(
+        4.0, ge=0, description="Horizons a block with certain reuse is kept past LRU order.")
+    max_class: int = Field(6, ge=1, le=255, description="Use counts told apart (more share the last).")
+    prior: float = Field(0.2, ge=0, le=1, description="Reuse chance of a class with no data.")
+    prior_weight: float = Field(20.0, gt=0, description="Pseudo-uses the prior counts for.")
+    history_ratio: float = Field(
+        8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks.")
+
+
+class PolicyConfig(_Section):
+    """Parameters of each eviction policy; only the chosen one's are used."""
+
+    slru: SLRUConfig = Field(default_factory=SLRUConfig, description="slru parameters.")
+    s3fifo: S3FIFOConfig = Field(default_factory=S3FIFOConfig, description="s3fifo parameters.")
+    gdsf: GDSFConfig = Field(default_factory=GDSFConfig, description="gdsf parameters.")
+    predictive: PredictiveConfig = Field(
+        default_factory=PredictiveConfig, description="predictive parameters.")
+
+
 class CacheConfig(_Section):
     """Paged KV cache; keys mean what they mean in TensorRT-LLM's KvCacheConfig."""
 
@@ -229,6 +282,20 @@ class CacheConfig(_Section):
         description="Fail the run, naming the request and step, when an onboard or partial"
         " copy of an add finds no free GPU block (TensorRT-LLM throws); by default that"
         " request's reuse ends there and phase2_alloc_failures counts it.",
+    )
+
+    eviction_policy: Literal["lru", "slru", "s3fifo", "gdsf", "predictive"] = Field(
+        "lru",
+        description="Order of free cached GPU blocks inside a retention priority level:"
+        " lru (TensorRT-LLM), slru, s3fifo, gdsf, predictive.",
+    )
+    policy: PolicyConfig = Field(
+        default_factory=PolicyConfig, description="Parameters of the eviction policies."
+    )
+    admission: Literal["all", "second_use"] = Field(
+        "all",
+        description="Which computed blocks enter the cache: all, or second_use (only blocks"
+        " whose prefix was computed before).",
     )
 
     @field_validator("max_tokens")

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from .cache.manager import CacheSpec, KVCacheManager, grow_blocks
 from .cache.mirror import MirroredCacheManager
+from .cache.policies import POLICIES
 from .cache.protocol import CacheManager
 from .cache.windows import (LifeCycle, WindowedCacheManager, life_cycles,
                             prefill_blocks_bound, split_gpu_blocks)
@@ -43,6 +44,15 @@ def draft_block_bytes(workload: Workload) -> int:
     return workload.cache.tokens_per_block * d.num_layers * d.kv_bytes_per_token_per_layer
 
 
+def policy_params(workload: Workload):
+    """The parameters dataclass of the workload's eviction policy (None for lru)."""
+    c = workload.cache
+    if c.eviction_policy == "lru":
+        return None
+    params_cls = POLICIES[c.eviction_policy][1]
+    return params_cls(**getattr(c.policy, c.eviction_policy).model_dump())
+
+
 def cache_spec(workload: Workload, *, emit_copy_ops: bool = False) -> CacheSpec:
     """The target model's cache. With a draft model, the `max_tokens` byte budget holds a
     target block and its mirrored draft block per block (TensorRT-LLM sizes both caches with
@@ -53,6 +63,9 @@ def cache_spec(workload: Workload, *, emit_copy_ops: bool = False) -> CacheSpec:
         budget = gpu_blocks * block_bytes(workload)
         gpu_blocks = budget // (block_bytes(workload) + draft_block_bytes(workload))
     return CacheSpec(
+        eviction_policy=c.eviction_policy,
+        policy_params=policy_params(workload),
+        admission=c.admission,
         tokens_per_block=c.tokens_per_block,
         num_gpu_blocks=gpu_blocks,
         num_host_blocks=int(c.host_offload_ratio * gpu_blocks),
@@ -334,6 +347,7 @@ def windowed_manager(wl: Workload, requests: list[Request], *,
         enable_block_reuse=c.enable_block_reuse, enable_partial_reuse=c.enable_partial_reuse,
         copy_on_partial_reuse=c.copy_on_partial_reuse, emit_copy_ops=emit_copy_ops,
         strict_phase2=c.strict_phase2,
+        eviction_policy=c.eviction_policy, policy_params=policy_params(wl), admission=c.admission,
     ) for n in blocks]
     return WindowedCacheManager(
         cycles, specs, release_out_of_window=c.release_out_of_window,

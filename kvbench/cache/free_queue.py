@@ -96,6 +96,34 @@ class FreeQueue:
         self._size -= n - left
         return out
 
+    def requeue(self, block: BlockId, priority: int) -> None:
+        """Move free `block` to the back of level `priority` (its retention ended)."""
+        self.remove(block)
+        self.push_back(block, priority)
+
+    def lowest_level(self) -> int:
+        """The lowest level holding a block, or NUM_PRIORITY_LEVELS when empty."""
+        mask = self._nonempty
+        return (mask & -mask).bit_length() - 1 if mask else NUM_PRIORITY_LEVELS
+
+    def pop_level_upto(self, level: int, n: int, stamps: list, max_stamp) -> list[BlockId]:
+        """Up to `n` blocks from the front of `level` while `stamps[block] <= max_stamp`
+        (a policy whose queue is ordered by a stamp takes a run of victims at once)."""
+        out: list[BlockId] = []
+        s = self._sentinel0 + level
+        nxt, prv, lv = self._next, self._prev, self._level
+        b = nxt[s]
+        while b != s and len(out) < n and stamps[b] <= max_stamp:
+            out.append(b)
+            lv[b] = _NONE
+            b = nxt[b]
+        nxt[s] = b
+        prv[b] = s
+        if b == s:
+            self._nonempty &= ~(1 << level)
+        self._size -= len(out)
+        return out
+
     def remove(self, block: BlockId) -> None:
         level = self._level[block]
         assert level != _NONE, "block not in the free queue"

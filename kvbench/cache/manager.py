@@ -41,6 +41,7 @@ from heapq import heappop, heappush
 from typing import TYPE_CHECKING
 
 from .ids import DEFAULT_RETENTION_PRIORITY, BlockId, BlockKey, CopyKind, CopyOp, Tier
+from .policies import AdmissionParams, SecondUseAdmission, make_free_queue
 from .pool import BlockPool
 from .protocol import PageView
 from .radix import PrefixIndex
@@ -76,6 +77,12 @@ class CacheSpec:
     strict_phase2: bool = False
     """Raise `Phase2AllocationError` when an onboard or a partial copy finds no GPU block
     (TensorRT-LLM throws); otherwise that request's reuse ends there and it is counted."""
+    eviction_policy: str = "lru"
+    """Order of the GPU pool's free cached blocks inside a priority level (`policies/`)."""
+    policy_params: object = None
+    """The policy's parameters dataclass; None = its defaults."""
+    admission: str = "all"
+    """`all`: every computed block is cached; `second_use`: only if its key was used before."""
 
 
 class Phase2AllocationError(RuntimeError):
@@ -197,6 +204,7 @@ class KVCacheManager:
         "evicted_blocks", "allocated_blocks", "partial_copy_blocks", "onboard_blocks",
         "offload_blocks", "host_evicted_blocks", "peak_host_blocks", "phase2_alloc_failures",
         "now_s", "expires", "_expiring", "_moved", "_live",
+        "_admission", "_fresh",
     )
 
     def __init__(self, spec: CacheSpec) -> None:
@@ -209,6 +217,17 @@ class KVCacheManager:
         self.host = BlockPool(Tier.HOST, g, h, g + h) if h else None
         track = spec.enable_block_reuse and spec.enable_partial_reuse
         self.index = PrefixIndex(self.tpb, g + h, track_children=track)
+        if spec.eviction_policy != "lru":
+            self.gpu.free_queue = make_free_queue(
+                spec.eviction_policy, spec.policy_params, g + h, g, self.index)
+        self._admission: SecondUseAdmission | None = None
+        self._fresh: bytearray | None = None
+        """With admission: 1 for a GPU block whose data was computed here (not reused)."""
+        if spec.admission == "second_use":
+            self._admission = SecondUseAdmission(g, AdmissionParams())
+            self._fresh = bytearray(g + h)
+        elif spec.admission != "all":
+            raise ValueError(f"unknown admission {spec.admission!r}")
         self.ref_count = [0] * (g + h)
         self.priority = [0] * (g + h)
         self.copy_ops: list[CopyOp] = []
@@ -265,9 +284,8 @@ class KVCacheManager:
             expires[b] = 0.0
             fq = self._pool(b).free_queue
             if b in fq and prio[b] != DEFAULT_RETENTION_PRIORITY:
-                fq.remove(b)
                 prio[b] = DEFAULT_RETENTION_PRIORITY
-                fq.push_back(b, DEFAULT_RETENTION_PRIORITY)
+                fq.requeue(b, DEFAULT_RETENTION_PRIORITY)
 
     def add_sequence(self, request: Request) -> Sequence:
         """Match, claim and onboard the request's reusable prefix (the sequential path)."""
@@ -618,12 +636,18 @@ class KVCacheManager:
             return freed
         table = request.block_retentions(self.tpb)
         decode = (request.retention.decode_priority, request.retention.decode_duration_ms)
+        # Runs of one level go to the queue together: a policy sees a chain, not lone blocks.
+        run: list[BlockId] = []
         for i in cached:
             b, pos = blocks[i], first + i
             level, duration_ms = table[pos] if pos < len(table) else decode
+            if run and prio[run[-1]] != level:
+                fq.push_back_many(run, prio[run[-1]])
+                run = []
             prio[b] = level
-            fq.push_back(b, level)
+            run.append(b)
             self._set_expiry(b, level, duration_ms)
+        fq.push_back_many(run, prio[run[-1]])
         return freed
 
     def _shared_blocks(self, request: Request) -> int:
@@ -638,6 +662,22 @@ class KVCacheManager:
             heappush(self._expiring, (t, b))
         elif self._expiring:
             self.expires[b] = 0.0
+
+    def _admit(self, blocks: list[BlockId]) -> list[BlockId]:
+        """The freed stored `blocks` the admission lets into the cache; computed ones it
+        turns away leave the index and become empty. Reused blocks always stay (their keys
+        are still recorded as used)."""
+        admit, fresh, index = self._admission.admit, self._fresh, self.index
+        stored, empty = index.stored, self.gpu.empty
+        kept = []
+        for b in blocks:
+            if admit(stored[b][0]) or not fresh[b]:
+                kept.append(b)
+            else:
+                index.remove(b)
+                empty.append(b)
+            fresh[b] = 0
+        return kept
 
     def _pool(self, b: BlockId) -> BlockPool:
         return self.gpu if b < self.gpu.capacity else self.host
@@ -689,6 +729,8 @@ class KVCacheManager:
         on `b`; the host slot becomes empty and is handed out next (TensorRT-LLM #18868)."""
         self._emit(CopyKind.ONBOARD, Tier.HOST, b, Tier.GPU, dst, self.index.num_tokens(b))
         self.index.move(b, dst)
+        if self._fresh is not None:
+            self._fresh[dst] = 0
         self.onboard_blocks += 1
         self._moved[b] = dst
         self.ref_count[dst] = self.ref_count[b]
@@ -778,6 +820,9 @@ class KVCacheManager:
         for b in out:
             ref[b] = 1
             prio[b] = priority
+        if self._fresh is not None:
+            for b in out:
+                self._fresh[b] = 1
         pool.num_in_use += n
         self.allocated_blocks += n
         if pool.num_in_use > pool.peak_in_use:

@@ -1,0 +1,114 @@
+"""A predictive policy that learns from the traffic as it replays (no look-ahead).
+
+Each released block falls in a class: how many times its key has been used (1, 2, ...,
+`max_class` or more), remembered past eviction in a bounded history. For every class the
+policy counts uses and how many of them were followed by another use of the same key within a
+horizon of `horizon_ratio` x the pool's blocks of traffic (the clock counts released blocks,
+so the horizon scales with the load, not with wall time). That share, smoothed towards a prior,
+is the class's estimated chance of reuse soon, `p`.
+
+A block's score is `release clock + boost x horizon x p` with the class's *current* `p`: LRU
+order, where a block expected to be reused is kept as if it had been released
+`boost x horizon x p` blocks of traffic later. With `p` equal for every class this is exactly
+LRU; the more the classes differ on the traffic, the further the policy departs from LRU.
+Outcomes are learnt only when they happen: a use still inside its horizon has not counted as
+a miss yet, so early estimates lean low for every class alike.
+
+Prefix trees: a block's class is capped at its parent's (from the same release) and `p` is
+made non-decreasing over the classes (a running maximum), so a child never outranks its parent
+and, at equal score, the deeper block goes first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ids import BlockId
+from ..radix import PrefixIndex
+from .base import ClassQueuePolicy, KeyHistory
+
+
+@dataclass(frozen=True, slots=True)
+class PredictiveParams:
+    horizon_ratio: float = 16.0
+    """Reuse counts as 'soon' within this many pool sizes of released blocks."""
+    boost: float = 4.0
+    """How far (in horizons) a block with certain reuse is kept past LRU order."""
+    max_class: int = 6
+    """Uses counted separately up to this (at most 255); more fall in the last class."""
+    prior: float = 0.2
+    """Reuse chance assumed for a class before it has data."""
+    prior_weight: float = 20.0
+    """Pseudo-uses the prior counts for."""
+    history_ratio: float = 8.0
+    """Keys remembered, as a multiple of the pool's blocks."""
+
+
+class PredictivePolicy(ClassQueuePolicy):
+    __slots__ = ("params", "history", "uses", "reuses", "_horizon", "_scale", "_shift")
+
+    def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
+                 params: PredictiveParams) -> None:
+        super().__init__(id_space, capacity, index, params.max_class + 1)
+        self.params = params
+        self.history = KeyHistory(int(params.history_ratio * capacity))
+        self.uses = [0] * (params.max_class + 1)
+        """Per class: uses seen (class 0 is unused)."""
+        self.reuses = [0] * (params.max_class + 1)
+        """Per class: uses followed by another use within the horizon."""
+        self._horizon = int(params.horizon_ratio * capacity)
+        self._scale = params.boost * self._horizon
+        self._shift = [0] * (params.max_class + 1)
+        """Per class: `boost x horizon x p` (an int), non-decreasing over the classes."""
+
+    def reuse_chance(self, cls: int) -> float:
+        """The learnt chance that a use of class `cls` is followed by another soon."""
+        p = self.params
+        return (self.reuses[cls] + p.prior * p.prior_weight) / (self.uses[cls] + p.prior_weight)
+
+    def _classify(self, blocks: list[BlockId]) -> tuple[list[int], int]:
+        stored, hist = self.index.stored, self.history
+        seen_map = hist.map
+        uses, reuses, horizon = self.uses, self.reuses, self._horizon
+        top = self.params.max_class
+        stamp = clock = hist.clock
+        classes = []
+        for b in reversed(blocks):  # shallowest first, as the sequence touched them
+            clock += 1
+            key = stored[b][0]
+            cls = 1
+            if key is not None:
+                seen = seen_map.get(key)
+                if seen is not None:
+                    was = seen & 255
+                    if clock - (seen >> 8) <= horizon:
+                        reuses[was] += 1
+                    cls = was + 1 if was < top else top
+                # Entry: (clock of this use << 8) | its class.
+                seen_map[key] = (clock << 8) | cls
+            uses[cls] += 1
+            classes.append(cls)
+        hist.clock = clock
+        hist.settle()
+        self._update_shifts()
+        classes.reverse()
+        return self._chain_capped(classes), stamp
+
+    def _update_shifts(self) -> None:
+        shift, scale = self._shift, self._scale
+        best = 0
+        for c in range(1, len(shift)):
+            s = int(scale * self.reuse_chance(c))
+            if s > best:
+                best = s
+            shift[c] = best
+
+    def _now(self) -> int:
+        return self.history.clock
+
+    def _head_scores(self, classes: list[int], stamps: list[int]) -> list[int]:
+        shift = self._shift
+        return [t + shift[c] for c, t in zip(classes, stamps)]
+
+    def _max_stamp(self, cls: int, score: int, strict: bool) -> int:
+        return score - self._shift[cls] - (1 if strict else 0)

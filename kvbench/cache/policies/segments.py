@@ -1,0 +1,236 @@
+"""Two-queue policies over the LRU free queue: SLRU/2Q and S3-FIFO.
+
+Both keep a block's free copies in one of two `FreeQueue`s (so every operation stays O(1)) and
+learn a key's earlier uses from a bounded `KeyHistory` that outlives eviction (the ghost list of
+2Q and S3-FIFO). A claimed (in-use) block leaves its queue, as with LRU, and re-enters at the
+tail of its queue on release: in cache mode every access is a claim and a release. Retention
+priority levels come first: victims come from the lowest level holding a free block in either
+queue, and the two-queue logic orders the blocks inside it. A release pushes a sequence's
+deepest block first, so inside a queue children leave before their parents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
+from ..ids import BlockId
+from ..radix import PrefixIndex
+from .base import KeyHistory
+
+_LOW_LEVELS = NUM_PRIORITY_LEVELS
+
+
+class _TwoQueues:
+    """What SLRU and S3-FIFO share: a `first` queue (probation / small), a `second` one
+    (protected / main), which data each block last held, and whether it was claimed since."""
+
+    __slots__ = ("index", "capacity", "first", "second", "history", "_rec", "_hit", "_in_second")
+
+    def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
+                 history_ratio: float) -> None:
+        self.index = index
+        self.capacity = capacity
+        self.first = FreeQueue(id_space)
+        self.second = FreeQueue(id_space)
+        self.history = KeyHistory(int(history_ratio * capacity))
+        self._rec: list = [None] * id_space
+        """The stored record a block held when last queued: a different one is new data."""
+        self._hit = bytearray(id_space)
+        """Claimed (reused) since it was last queued."""
+        self._in_second = bytearray(id_space)
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.second)
+
+    def __contains__(self, block: BlockId) -> bool:
+        return block in self.first or block in self.second
+
+    def push_back(self, block: BlockId, priority: int) -> None:
+        self.push_back_many([block], priority)
+
+    def requeue(self, block: BlockId, priority: int) -> None:
+        """To the back of its queue at level `priority` (its retention ended; not a use)."""
+        (self.second if self._in_second[block] else self.first).requeue(block, priority)
+
+    def remove(self, block: BlockId) -> None:
+        """A claim: the block is in use (a hit, or a partial match being taken)."""
+        (self.second if self._in_second[block] else self.first).remove(block)
+        self._hit[block] = 1
+
+    def _lowest(self, q: FreeQueue) -> int:
+        mask = q._nonempty
+        return (mask & -mask).bit_length() - 1 if mask else _LOW_LEVELS
+
+    def _new_data(self, b: BlockId) -> bool:
+        """Whether the block holds data it did not hold when last queued (then its claim
+        mark is cleared: a claim of older data is no hit on this)."""
+        rec = self.index.stored[b]
+        if rec is self._rec[b]:
+            return False
+        self._rec[b] = rec
+        self._hit[b] = 0
+        return True
+
+    def _check_sanity(self) -> bool:
+        for b in range(len(self._in_second)):
+            if b in self.first:
+                assert not self._in_second[b]
+            if b in self.second:
+                assert self._in_second[b]
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class SLRUParams:
+    protected_ratio: float = 0.8
+    """Most of the pool the protected segment may hold."""
+    history_ratio: float = 8.0
+    """Keys remembered, as a multiple of the pool's blocks."""
+
+
+class SLRUPolicy(_TwoQueues):
+    """Segmented LRU with a ghost history (a 2Q flavour): a block enters the protected segment
+    when it is reused while cached or when its key was used before (within the history), else
+    probation. The protected segment is capped at `protected_ratio` of the pool: its LRU block
+    is demoted to the probation tail. Victims: probation's LRU first, protected's when
+    probation has none at the lowest priority level."""
+
+    __slots__ = ("params", "_cap")
+
+    def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
+                 params: SLRUParams) -> None:
+        super().__init__(id_space, capacity, index, params.history_ratio)
+        self.params = params
+        self._cap = int(params.protected_ratio * capacity)
+
+    def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
+        hist, hit, in_second, stored = self.history, self._hit, self._in_second, self.index.stored
+        seen = hist.map
+        clock = hist.clock
+        probation: list[BlockId] = []
+        protected: list[BlockId] = []
+        for b in reversed(blocks):  # shallowest first, as the sequence touched them
+            clock += 1
+            key = stored[b][0]
+            if self._new_data(b):
+                protect = key is not None and key in seen
+            else:
+                protect = hit[b] or in_second[b]
+                hit[b] = 0
+            if key is not None:
+                seen[key] = clock << 8
+            in_second[b] = protect
+            (protected if protect else probation).append(b)
+        hist.clock = clock
+        hist.settle()
+        # Back in release order (deepest first), so children stay ahead of their parents.
+        probation.reverse()
+        protected.reverse()
+        self.first.push_back_many(probation, priority)
+        second = self.second
+        second.push_back_many(protected, priority)
+        while len(second) > self._cap:
+            b = second.front()
+            level = second._level[b]
+            second.remove(b)
+            in_second[b] = 0
+            self.first.push_back(b, level)
+
+    def pop_front_many(self, n: int) -> list[BlockId]:
+        out: list[BlockId] = []
+        first, second, in_second = self.first, self.second, self._in_second
+        while len(out) < n and (len(first) or len(second)):
+            q = first if self._lowest(first) <= self._lowest(second) else second
+            b = q.front()
+            q.remove(b)
+            in_second[b] = 0
+            self._rec[b] = None
+            out.append(b)
+        return out
+
+    def order(self) -> list[BlockId]:
+        merged = [(self.first._level[b], 0, i, b) for i, b in enumerate(self.first.order())]
+        merged += [(self.second._level[b], 1, i, b) for i, b in enumerate(self.second.order())]
+        return [BlockId(x[3]) for x in sorted(merged)]
+
+
+@dataclass(frozen=True, slots=True)
+class S3FIFOParams:
+    small_ratio: float = 0.1
+    """Share of the pool the small (probation) FIFO aims at."""
+    max_freq: int = 3
+    """Accesses counted per block (the main FIFO's second chances)."""
+    history_ratio: float = 1.0
+    """Ghost keys remembered, as a multiple of the pool's blocks (S3-FIFO: the main FIFO's
+    size)."""
+
+
+class S3FIFOPolicy(_TwoQueues):
+    """S3-FIFO (Yang et al., SOSP'23): new data enters a small FIFO, or the main FIFO when its
+    key is in the ghost history of keys evicted from the small one. Eviction takes from the
+    small FIFO while it holds more than `small_ratio` of the pool: its head goes to the main
+    FIFO if it was accessed since it entered, else it is evicted and its key becomes a ghost.
+    Otherwise from the main FIFO: a head accessed since its last pass gets its count lowered
+    and goes back to the tail (second chance), else it is evicted."""
+
+    __slots__ = ("params", "_target", "_freq")
+
+    def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
+                 params: S3FIFOParams) -> None:
+        super().__init__(id_space, capacity, index, params.history_ratio)
+        self.params = params
+        self._target = max(1, int(params.small_ratio * capacity))
+        self._freq = bytearray(id_space)
+
+    def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
+        hit, in_second, freq, stored = self._hit, self._in_second, self._freq, self.index.stored
+        ghosts = self.history.map
+        top = self.params.max_freq
+        small: list[BlockId] = []
+        main: list[BlockId] = []
+        for b in blocks:
+            if self._new_data(b):
+                freq[b] = 0
+                key = stored[b][0]
+                in_second[b] = key is not None and key in ghosts
+            elif hit[b]:
+                hit[b] = 0
+                if freq[b] < top:
+                    freq[b] += 1
+            (main if in_second[b] else small).append(b)
+        self.first.push_back_many(small, priority)
+        self.second.push_back_many(main, priority)
+
+    def pop_front_many(self, n: int) -> list[BlockId]:
+        out: list[BlockId] = []
+        first, second, in_second, freq = self.first, self.second, self._in_second, self._freq
+        hist, stored = self.history, self.index.stored
+        while len(out) < n and (len(first) or len(second)):
+            lf, ls = self._lowest(first), self._lowest(second)
+            if lf < ls or (lf == ls and len(first) > self._target):
+                b = first.front()
+                level = first._level[b]
+                first.remove(b)
+                if freq[b]:
+                    freq[b] = 0
+                    in_second[b] = 1
+                    second.push_back(b, level)
+                    continue
+                key = stored[b][0]
+                if key is not None:
+                    hist.clock += 1
+                    hist.map[key] = hist.clock << 8
+                    hist.settle()
+            else:
+                b = second.front()
+                level = second._level[b]
+                second.remove(b)
+                if freq[b]:
+                    freq[b] -= 1
+                    second.push_back(b, level)
+                    continue
+                in_second[b] = 0
+            self._rec[b] = None
+            out.append(b)
+        return out

@@ -1,0 +1,368 @@
+"""Eviction policies and admission: each policy against a brute-force reference on small
+random traces (the same victims in the same order), invariants after every operation with
+every policy, and LRU untouched by the policy machinery."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbench.cache.manager import CacheSpec, KVCacheManager
+from kvbench.cache.policies import (POLICIES, POLICY_NAMES, GDSFParams, PredictiveParams,
+                                    S3FIFOParams, SLRUParams)
+from kvbench.traffic.request import Request
+from strategies import related_prompts
+from test_cache_manager import DataCheckingDriver, interleavings
+
+_ids = iter(range(1 << 30))
+
+
+def req(tokens, priority=35) -> Request:
+    toks = np.array(tokens, dtype=np.int64)
+    return Request(next(_ids), 0.0, len(toks), 1, tokens=toks, priority=priority)
+
+
+# --- brute-force references: every decision by a scan over all blocks ------------------------
+
+
+class _Ref:
+    """Free blocks and their state in plain dicts; `victim` scans them all. `key(b)` is the
+    block's data (prefix tokens): equal data, equal key."""
+
+    def __init__(self, capacity, key):
+        self.capacity = capacity
+        self.key = key
+        self.free: dict[int, dict] = {}  # block -> state while free
+        self.pushed = 0
+
+    def _push(self, b, level, **state):
+        self.pushed += 1
+        self.free[b] = dict(level=level, pushed=self.pushed, **state)
+
+    def claim(self, b):
+        del self.free[b]
+
+    @staticmethod
+    def _prune(hist, clock, cap):
+        if len(hist) > 2 * cap:
+            for k in [k for k, v in hist.items() if v[0] < clock - cap]:
+                del hist[k]
+
+
+class RefScored(_Ref):
+    """Predictive and GDSF: victim = min (level, score, class, push order)."""
+
+    def __init__(self, capacity, key, name, params):
+        super().__init__(capacity, key)
+        self.name, self.p = name, params
+        self.hist: dict = {}  # key -> (clock, class)
+        self.hcap = max(1, int(params.history_ratio * capacity))
+        self.clock = 0
+        top = params.max_class if name == "predictive" else params.max_freq
+        self.top = top
+        self.uses = [0] * (top + 1)
+        self.reuses = [0] * (top + 1)
+        self.shift = [0] * (top + 1)
+        self.L = 0
+        if name == "predictive":
+            self.horizon = int(params.horizon_ratio * capacity)
+        else:
+            self.w = int(params.freq_weight * 1024)
+
+    def release(self, blocks, level):
+        stamp = self.clock if self.name == "predictive" else self.L
+        classes = []
+        for b in reversed(blocks):
+            self.clock += 1
+            k = self.key(b)
+            cls = 1
+            if k in self.hist:
+                t, was = self.hist[k]
+                if self.name == "predictive" and self.clock - t <= self.horizon:
+                    self.reuses[was] += 1
+                cls = min(was + 1, self.top)
+            self.hist[k] = (self.clock, cls)
+            self.uses[cls] += 1
+            classes.append(min([cls] + classes[-1:]))  # never above the parent
+        self._prune(self.hist, self.clock, self.hcap)
+        if self.name == "predictive":
+            p, best = self.p, 0
+            for c in range(1, self.top + 1):
+                chance = (self.reuses[c] + p.prior * p.prior_weight) / (self.uses[c]
+                                                                         + p.prior_weight)
+                best = max(best, int(p.boost * self.horizon * chance))
+                self.shift[c] = best
+        for b, c in zip(blocks, reversed(classes)):
+            self._push(b, level, cls=c, stamp=stamp)
+
+    def score(self, s):
+        if self.name == "predictive":
+            return s["stamp"] + self.shift[s["cls"]]
+        return s["stamp"] + self.w * s["cls"]
+
+    def victim(self):
+        b = min(self.free, key=lambda b: (self.free[b]["level"], self.score(self.free[b]),
+                                          self.free[b]["cls"], self.free[b]["pushed"]))
+        if self.name == "gdsf":
+            self.L = max(self.L, self.score(self.free[b]))
+        del self.free[b]
+        return b
+
+
+class RefSegments(_Ref):
+    """SLRU and S3-FIFO: `seg` 0 (probation / small) or 1 (protected / main)."""
+
+    def __init__(self, capacity, key, name, params):
+        super().__init__(capacity, key)
+        self.name, self.p = name, params
+        self.hist: dict = {}  # key -> (clock,)
+        self.hcap = max(1, int(params.history_ratio * capacity))
+        self.clock = 0
+        self.seg: dict[int, int] = {}  # block -> segment of its current data
+        self.freq: dict[int, int] = {}
+        self.hit: set[int] = set()
+
+    def claim(self, b):
+        super().claim(b)
+        self.hit.add(b)
+
+    def new_data(self, b):
+        self.seg.pop(b, None)
+        self.freq.pop(b, None)
+        self.hit.discard(b)
+
+    def _ghost(self, k):
+        self.clock += 1
+        self.hist[k] = (self.clock,)
+        self._prune(self.hist, self.clock, self.hcap)
+
+    def release(self, blocks, level):
+        if self.name == "slru":
+            segs = {}
+            for b in reversed(blocks):
+                self.clock += 1
+                k = self.key(b)
+                if b not in self.seg:
+                    segs[b] = int(k in self.hist)
+                else:
+                    segs[b] = int(b in self.hit or self.seg[b] == 1)
+                self.hit.discard(b)
+                self.hist[k] = (self.clock,)
+            self._prune(self.hist, self.clock, self.hcap)
+            for b in blocks:
+                self.seg[b] = segs[b]
+                self._push(b, level)
+            cap = int(self.p.protected_ratio * self.capacity)
+            while sum(1 for b in self.free if self.seg[b] == 1) > cap:
+                b = self._first(1)
+                self.seg[b] = 0
+                self._push(b, self.free[b]["level"])
+            return
+        for b in blocks:
+            if b not in self.seg:
+                self.freq[b] = 0
+                self.seg[b] = int(self.key(b) in self.hist)
+            elif b in self.hit:
+                self.hit.discard(b)
+                self.freq[b] = min(self.freq[b] + 1, self.p.max_freq)
+            self._push(b, level)
+
+    def _first(self, seg):
+        cands = [b for b in self.free if self.seg[b] == seg]
+        return min(cands, key=lambda b: (self.free[b]["level"], self.free[b]["pushed"]))
+
+    def _lowest(self, seg):
+        return min((s["level"] for b, s in self.free.items() if self.seg[b] == seg),
+                   default=1000)
+
+    def victim(self):
+        while True:
+            lf, ls = self._lowest(0), self._lowest(1)
+            if self.name == "slru":
+                b = self._first(0 if lf <= ls else 1)
+                break
+            small = sum(1 for b in self.free if self.seg[b] == 0)
+            target = max(1, int(self.p.small_ratio * self.capacity))
+            if lf < ls or (lf == ls and small > target):
+                b = self._first(0)
+                if self.freq[b]:
+                    self.freq[b] = 0
+                    self.seg[b] = 1
+                    self._push(b, self.free[b]["level"])
+                    continue
+                self._ghost(self.key(b))
+            else:
+                b = self._first(1)
+                if self.freq[b]:
+                    self.freq[b] -= 1
+                    self._push(b, self.free[b]["level"])
+                    continue
+            break
+        del self.free[b]
+        self.seg.pop(b)
+        self.freq.pop(b, None)
+        return b
+
+
+class RefCache:
+    """Cache mode without partial reuse, done the obvious way, evicting by a reference policy.
+    Returns per request the data of its victims, in order."""
+
+    def __init__(self, tpb, n, name, params):
+        self.tpb, self.n = tpb, n
+        self.data: list = [None] * n
+        key = self.data.__getitem__
+        self.policy = (RefScored if name in ("predictive", "gdsf") else RefSegments)(
+            n, key, name, params)
+
+    def process(self, r: Request) -> list:
+        tpb, pol = self.tpb, self.policy
+        toks = tuple(r.prompt_tokens().tolist())
+        L = len(toks)
+        stored = {d: b for b, d in enumerate(self.data) if d is not None}
+        blocks = []
+        while (len(blocks) + 1) * tpb <= L - 1 and toks[:(len(blocks) + 1) * tpb] in stored:
+            blocks.append(stored[toks[:(len(blocks) + 1) * tpb]])
+        for b in blocks:
+            pol.claim(b)
+        m = len(blocks)
+        victims = []
+        for _ in range(-(-L // tpb) - m):
+            empty = [b for b in range(self.n) if self.data[b] is None and b not in blocks]
+            if empty:
+                blocks.append(empty[0])
+                continue
+            b = pol.victim()
+            victims.append(self.data[b])
+            del stored[self.data[b]]
+            self.data[b] = None
+            if isinstance(pol, RefSegments):
+                pol.new_data(b)
+            blocks.append(b)
+        for j in range(m, L // tpb):
+            want = toks[:(j + 1) * tpb]
+            if want not in stored:
+                self.data[blocks[j]] = want
+                stored[want] = blocks[j]
+                if isinstance(pol, RefSegments):
+                    pol.new_data(blocks[j])
+        freed = [b for b in reversed(blocks) if self.data[b] is not None]
+        pol.release(freed, r.priority)
+        return victims
+
+
+class LoggedQueue:
+    """The manager's policy, logging the data of each victim it hands out."""
+
+    def __init__(self, inner, m):
+        self.inner, self.m, self.log = inner, m, []
+
+    def pop_front_many(self, n):
+        out = self.inner.pop_front_many(n)
+        tpb = self.m.tpb
+        for b in out:
+            _, _, held, src, pos, _ = self.m.index.stored[b]
+            self.log.append(tuple(src.prompt_tokens(0, pos * tpb + held).tolist()))
+        return out
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __contains__(self, b):
+        return b in self.inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+_PARAMS = {
+    "predictive": st.builds(PredictiveParams, horizon_ratio=st.sampled_from([0.5, 2.0, 16.0]),
+                            boost=st.sampled_from([0.0, 1.0, 4.0]),
+                            max_class=st.integers(1, 4), prior=st.sampled_from([0.0, 0.2]),
+                            prior_weight=st.sampled_from([1.0, 20.0]),
+                            history_ratio=st.sampled_from([0.5, 1.0, 8.0])),
+    "gdsf": st.builds(GDSFParams, freq_weight=st.sampled_from([0.5, 1.0, 3.0]),
+                      max_freq=st.integers(1, 5), history_ratio=st.sampled_from([0.5, 8.0])),
+    "slru": st.builds(SLRUParams, protected_ratio=st.sampled_from([0.2, 0.5, 0.8]),
+                      history_ratio=st.sampled_from([0.5, 8.0])),
+    "s3fifo": st.builds(S3FIFOParams, small_ratio=st.sampled_from([0.1, 0.3, 0.6]),
+                        max_freq=st.integers(1, 3), history_ratio=st.sampled_from([0.5, 1.0])),
+}
+
+
+@st.composite
+def policy_scenarios(draw, name):
+    ps = draw(related_prompts(16, 14))
+    tpb = draw(st.integers(1, 3))
+    need = max(-(-len(p) // tpb) for p in ps)
+    blocks = need + draw(st.sampled_from([0, 1, 2, 4, 8]))
+    prios = draw(st.lists(st.sampled_from([35, 35, 35, 20, 60]), min_size=len(ps),
+                          max_size=len(ps)))
+    return [req(p, q) for p, q in zip(ps, prios)], tpb, blocks, draw(_PARAMS[name])
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_policy_matches_brute_force_reference(name):
+    @settings(max_examples=150, derandomize=True, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(policy_scenarios(name))
+    def check(scenario):
+        requests, tpb, blocks, params = scenario
+        m = KVCacheManager(CacheSpec(tpb, blocks, enable_partial_reuse=False,
+                                     eviction_policy=name, policy_params=params))
+        m.enable_sanity_tracking()
+        logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
+        ref = RefCache(tpb, blocks, name, params)
+        for i, r in enumerate(requests):
+            seq = m.add_sequence(r)
+            assert m.resize(seq, r.input_length)
+            m.commit(seq, r.input_length)
+            m.release(seq)
+            assert m._check_sanity()
+            want = ref.process(r)
+            got, logged.log = logged.log, []
+            assert got == want, f"request {i}: victims differ"
+    check()
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("admission", ["all", "second_use"])
+def test_invariants_with_every_policy(name, admission):
+    """The interleaved-sequence driver of test_cache_manager (no block in use evicted, blocks
+    conserved, every reused block holds its tokens) with each policy and admission."""
+
+    @settings(max_examples=60, derandomize=True, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(interleavings())
+    def check(case):
+        requests, tpb, blocks, partial, copy, picks = case
+        m = KVCacheManager(CacheSpec(tpb, blocks, enable_partial_reuse=partial,
+                                     copy_on_partial_reuse=copy, emit_copy_ops=True,
+                                     eviction_policy=name, admission=admission))
+        m.enable_sanity_tracking()
+        d = DataCheckingDriver(m)
+        state = {}
+        pending = list(requests)
+        picks = list(picks)
+        while pending or state:
+            choice = picks.pop() if picks else 0
+            if pending and (not state or choice < 3):
+                state[d.add(pending.pop(0))] = "added"
+                continue
+            seq = list(state)[choice % len(state)]
+            if state[seq] == "added":
+                if d.resize(seq, seq.request.input_length):
+                    state[seq] = "sized"
+                else:
+                    d.release(seq)
+                    del state[seq]
+            elif state[seq] == "sized":
+                d.commit(seq)
+                state[seq] = "done"
+            else:
+                d.release(seq)
+                del state[seq]
+        assert m.gpu.num_in_use == 0 and all(r == 0 for r in m.ref_count)
+    check()

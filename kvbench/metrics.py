@@ -202,6 +202,14 @@ _m("ideal_hit_rate", "number", "fraction", "ideal hit rate (unlimited cache)", "
    RATE_MATCH, pinned=True,
    description="The hit rate of a cache that never evicts, under the run's reuse and window "
                "rules: it bounds hit_rate.")
+_m("lru_hit_rate", "number", "fraction", "LRU hit rate (same capacity)", "Reuse", _f,
+   RATE_MATCH, nullable=True, pinned=True,
+   description="The same cache-mode run with LRU eviction and admission of all (the run's own "
+               "hit rate when it is LRU; null in serve mode).")
+_m("gap_closed", "number", "fraction", "LRU-to-optimal gap closed", "Reuse", _f,
+   Rule("higher", abs_tol=RATE_EPS), nullable=True, pinned=True,
+   description="(hit_rate - lru_hit_rate) / (optimal_hit_rate - lru_hit_rate); null without "
+               "both references or without a gap.")
 # Memory.
 _m("gpu_blocks_total", "count", "blocks", "GPU blocks total", "Memory", _c, MATCH, pinned=True,
    description="GPU blocks (slots of all pools).")

@@ -397,6 +397,8 @@ def _run_one(
         ideal, optimal = refs.ideal_hit_rate, refs.optimal_hit_rate
     else:
         ideal, optimal = _ideal_hit_rate(requests, spec, windowed, serve=False), None
+    hit = result.reused_tokens / result.prompt_tokens
+    lru = hit if _is_lru(wl) else _lru_reference(wl, requests)
     wall = time.perf_counter() - t0
     for r in requests:
         r.drop_keys()
@@ -407,6 +409,8 @@ def _run_one(
         "reused_partial_blocks": result.reused_partial_blocks,
         "ideal_hit_rate": ideal,
         "optimal_hit_rate": optimal,
+        "lru_hit_rate": lru,
+        "gap_closed": gap_closed(hit, lru, optimal),
         "wall_s": wall,
         "verified": None,
         "max_abs_err": None,
@@ -422,6 +426,29 @@ def _outcome(name: str, wl: Workload, metrics: dict, timeline: dict) -> RunOutco
     # A metric the registry does not know would reach no table, no compare rule, no schema.
     assert not unregistered(metrics), f"unregistered metrics: {unregistered(metrics)}"
     return RunOutcome(name, wl, metrics, timeline)
+
+
+def _is_lru(wl: Workload) -> bool:
+    return wl.cache.eviction_policy == "lru" and wl.cache.admission == "all"
+
+
+def _lru_reference(wl: Workload, requests: list[Request]) -> float:
+    """The hit rate of the same cache-mode run with LRU eviction and admission of all
+    (TensorRT-LLM's behaviour), the reference `gap_closed` is measured from."""
+    lru = wl.model_copy(update={"cache": wl.cache.model_copy(
+        update={"eviction_policy": "lru", "admission": "all"})})
+    manager = (windowed_manager(lru, requests) if _windowed(lru)
+               else KVCacheManager(cache_spec(lru)))
+    result = replay_cache_mode(requests, manager, cross=cross_manager(lru, requests))
+    return result.reused_tokens / result.prompt_tokens
+
+
+def gap_closed(hit: float, lru: float | None, optimal: float | None) -> float | None:
+    """Share of the LRU-to-optimal gap a policy closes: (hit - lru) / (optimal - lru);
+    None without both references or without a gap."""
+    if lru is None or optimal is None or optimal - lru <= 1e-12:
+        return None
+    return (hit - lru) / (optimal - lru)
 
 
 def _cache_metrics(
@@ -532,6 +559,8 @@ def _serve_metrics(wl: Workload, manager: CacheManager, requests: list[Request],
         "reused_partial_blocks": sum(s.reused_partial_tokens > 0 for s in states),
         "ideal_hit_rate": ideal,
         "optimal_hit_rate": None,
+        "lru_hit_rate": None,
+        "gap_closed": None,
         "iterations": result.iterations,
         "output_tokens": output,
         "duration_s": result.duration_s,

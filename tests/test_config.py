@@ -18,7 +18,8 @@ from kvbench.errors import InputError
 CACHE_KEYS = (
     "tokens_per_block, max_tokens, host_offload_ratio, enable_block_reuse, enable_partial_reuse,"
     " copy_on_partial_reuse, add_sequence, swa_scratch_reuse, secondary_offload_min_priority,"
-    " release_out_of_window, window_memory_split, cross_kv_cache_fraction, strict_phase2"
+    " release_out_of_window, window_memory_split, cross_kv_cache_fraction, strict_phase2,"
+    " eviction_policy, policy, admission"
 )
 TOP_KEYS = "name, model, hardware, cache, scheduler, requests, speculative, run, variants, tune"
 

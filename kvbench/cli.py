@@ -148,6 +148,11 @@ def tune(
         "--heartbeat", min=1, metavar="SECONDS",
         help="Heartbeat interval; a trial silent for 3x this is failed and re-run.",
     )] = 10,
+    holdout: Annotated[Optional[float], typer.Option(
+        "--holdout", metavar="FRACTION",
+        help="Tune on the first 1-FRACTION of the requests, then run the best trial and the "
+             "workload as written on the rest.",
+    )] = None,
     set_: SetOption = None,
     quiet: QuietOption = False,
 ) -> None:
@@ -155,7 +160,7 @@ def tune(
     from .tune import TuneJob
     from .tune.view import tune_command
 
-    job = TuneJob(str(workload), tuple(set_ or ()), trials, storage, study, heartbeat)
+    job = TuneJob(str(workload), tuple(set_ or ()), trials, storage, study, heartbeat, holdout)
     code = tune_command(job, workers=workers, export_best=export_best, plots=plots, quiet=quiet,
                         out=out, err=err)
     if code:

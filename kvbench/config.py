@@ -525,6 +525,9 @@ class RequestsConfig(_Section):
         "(servegen)."
     )
     limit: int | None = Field(None, gt=0, description="Use only the first N requests.")
+    skip: int = Field(
+        0, ge=0, description="Drop the first N requests first (limit counts from there); the"
+        " rest keeps its arrival times, shifted to start at 0.")
     time_scale: float = Field(1.0, gt=0, description="Arrival times are multiplied by this.")
     synthetic: SyntheticConfig = Field(
         default_factory=SyntheticConfig, description="Synthetic generator settings."

@@ -123,6 +123,11 @@ def run_workload(workload: Workload, progress: ProgressFactory | None = None) ->
     return outcomes
 
 
+def load_workload_requests(wl: Workload) -> list[Request]:
+    """The request stream a run of `wl` replays."""
+    return _load(wl)
+
+
 def _load(wl: Workload) -> list[Request]:
     base = wl.source_path.parent if wl.source_path is not None else resolve_path(wl, ".")
     requests, reader = load_traffic(wl.requests, base_dir=base, seed=wl.run.seed)

@@ -366,3 +366,101 @@ def test_invariants_with_every_policy(name, admission):
                 del state[seq]
         assert m.gpu.num_in_use == 0 and all(r == 0 for r in m.ref_count)
     check()
+
+
+# --- LRU untouched, serve mode, requests.skip, tune --holdout ---------------------------------
+
+
+def test_lru_is_the_plain_free_queue():
+    """The default keeps TensorRT-LLM's LRU order on the unchanged fast path."""
+    from kvbench.cache.free_queue import FreeQueue
+
+    m = KVCacheManager(CacheSpec(4, 8))
+    assert type(m.gpu.free_queue) is FreeQueue and m._admission is None
+
+
+def _workload(tmp_path, extra: str = "", mode: str = "cache"):
+    path = tmp_path / "w.yaml"
+    path.write_text(f"""
+name: w
+cache: {{tokens_per_block: 16, max_tokens: 4096{extra}}}
+requests:
+  source: synthetic
+  synthetic: {{num_requests: 120, num_users: 12, turns: 5, prompt_tokens: 96, system_prompt_tokens: 256}}
+scheduler: {{max_num_tokens: 1024}}
+run: {{mode: {mode}, progress: false}}
+""")
+    return path
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_policy_runs_report_lru_reference_and_gap(tmp_path, name):
+    from kvbench.config import load_workload
+    from kvbench.runner import run_workload
+
+    wl = load_workload(_workload(tmp_path), [f"cache.eviction_policy={name}"])
+    m = run_workload(wl)[0].metrics
+    lru = run_workload(load_workload(_workload(tmp_path)))[0].metrics["hit_rate"]
+    assert m["lru_hit_rate"] == lru
+    assert m["gap_closed"] == pytest.approx(
+        (m["hit_rate"] - lru) / (m["optimal_hit_rate"] - lru))
+    assert m["hit_rate"] <= m["optimal_hit_rate"] + 1e-12 or m["reused_partial_tokens"]
+    if name == "lru":
+        assert m["gap_closed"] == 0
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_policies_in_serve_mode(tmp_path, name):
+    """Serve mode evicts under decode pressure and preemption through the same policy."""
+    from kvbench.config import load_workload
+    from kvbench.runner import run_workload
+
+    wl = load_workload(_workload(tmp_path, mode="serve"),
+                       [f"cache.eviction_policy={name}", "cache.admission=second_use"])
+    m = run_workload(wl)[0].metrics
+    assert m["requests"] == 120 and m["evicted_blocks"] > 0
+    assert m["lru_hit_rate"] is None and m["gap_closed"] is None
+
+
+def test_requests_skip_drops_the_first_requests(tmp_path):
+    from kvbench.config import load_workload
+    from kvbench.runner import load_workload_requests
+
+    full = load_workload_requests(load_workload(_workload(tmp_path)))
+    part = load_workload_requests(load_workload(
+        _workload(tmp_path), ["requests.skip=100", "requests.limit=15"]))
+    assert [r.input_length for r in part] == [r.input_length for r in full[100:115]]
+    assert part[0].arrival_s == 0
+    assert [r.arrival_s for r in part] == pytest.approx(
+        [r.arrival_s - full[100].arrival_s for r in full[100:115]])
+
+
+def test_tune_holdout_reports_the_best_trial_on_the_rest(tmp_path, capsys):
+    from cli_helpers import run_cli
+    from kvbench.config import load_workload
+    from kvbench.runner import run_workload
+
+    path = _workload(tmp_path, ", eviction_policy: predictive")
+    path.write_text(path.read_text() + """
+tune:
+  n_trials: 3
+  seed: 0
+  space:
+    cache.policy.predictive.boost: {choices: [0.0, 8.0]}
+  objectives:
+    - {metric: hit_rate, direction: maximize}
+""")
+    code, out, err = run_cli(["tune", path, "--holdout", "0.25", "--storage",
+                              f"sqlite:///{tmp_path / 's.db'}"], capsys)
+    assert code == 0, err
+    assert "Held out: the last 30 of 120 requests (tuned on the first 90)" in out
+    import optuna
+
+    study = optuna.load_study(study_name="w", storage=f"sqlite:///{tmp_path / 's.db'}")
+    best = study.best_trial.params["cache.policy.predictive.boost"]
+    held = run_workload(load_workload(path, [
+        "requests.skip=90", "requests.limit=30", f"cache.policy.predictive.boost={best}"]))[0]
+    row = next(line for line in out.splitlines() if line.strip("│ ").startswith("hit_rate"))
+    assert f"{100 * held.metrics['hit_rate']:.2f}%" in row
+    code, _, err = run_cli(["tune", path, "--holdout", "1.5"], capsys)
+    assert code == 2 and "--holdout" in err

@@ -34,7 +34,25 @@ def load_requests(requests_cfg, *, base_dir: Path, seed: int) -> list[Request]:
 def load_traffic(requests_cfg, *, base_dir: Path, seed: int
                  ) -> tuple[list[Request], TraceReader | None]:
     """`load_requests` and, for a trace, the reader that read it (its block size and
-    convention); None for synthetic traffic."""
+    convention); None for synthetic traffic. `requests.skip` drops the first requests (the
+    rest's arrivals shifted to start at 0) before `requests.limit` counts."""
+    skip = requests_cfg.skip
+    if not skip:
+        return _load_all(requests_cfg, base_dir=base_dir, seed=seed)
+    limit = requests_cfg.limit
+    requests, reader = _load_all(
+        requests_cfg.model_copy(update={"limit": None if limit is None else skip + limit}),
+        base_dir=base_dir, seed=seed)
+    del requests[:skip]
+    if requests:
+        start = requests[0].arrival_s
+        for r in requests:
+            r.arrival_s -= start
+    return requests, reader
+
+
+def _load_all(requests_cfg, *, base_dir: Path, seed: int
+              ) -> tuple[list[Request], TraceReader | None]:
     limit = requests_cfg.limit
     time_scale = requests_cfg.time_scale
     if requests_cfg.source == "synthetic":

@@ -25,16 +25,19 @@ a study left by a killed process is completed by the next `kvbench tune`.
 Heartbeats: RDB storages (SQLite, PostgreSQL, MySQL) use Optuna's heartbeat; journal files use
 the same mechanism through `_HeartbeatJournalStorage` (the journal backend has none of its own).
 
-The package: `plan` (the job checked once from the workload), `storage` (where a study lives,
+The package: `plan` (the job checked once from the workload; `--holdout` splits the requests
+there), `holdout` (the best trial on the held-out requests), `storage` (where a study lives,
 the study lock), `study` (the study loop, objective, workers), `summary` (tally, Pareto front,
 export, plots), `view` (what `kvbench tune` shows; the CLI calls `view.tune_command`).
 
 optuna, sqlalchemy and matplotlib are imported lazily: `import kvbench` must stay light.
 """
 
+from .holdout import HoldoutRun, holdout_runs
 from .plan import (ABORTED, COMPLETE, COUNTED_FAILURES, FAILED, INTERRUPTED, INVALID, MAX_RETRY,
-                   WAIT_POLL_S, Param, Plan, TuneError, TuneJob, constraint_values,
-                   default_storage, is_feasible, metric_value, prepare, trial_workload)
+                   WAIT_POLL_S, HoldoutSplit, Param, Plan, TuneError, TuneJob, constraint_values,
+                   default_storage, holdout_split, is_feasible, metric_value, prepare,
+                   trial_workload)
 from .storage import display_url, is_in_memory, lock_is_exact, open_storage, study_lock
 from .study import (WorkersResult, _interrupt_once, create_study, make_sampler, run_worker,
                     run_workers, worker_id, worker_seed)
@@ -42,9 +45,9 @@ from .summary import Summary, Tally, export_best, summarize, tally, write_plots
 
 __all__ = [
     "ABORTED", "COMPLETE", "COUNTED_FAILURES", "FAILED", "INTERRUPTED", "INVALID", "MAX_RETRY",
-    "WAIT_POLL_S", "Param", "Plan", "Summary", "Tally", "TuneError", "TuneJob", "WorkersResult",
+    "WAIT_POLL_S", "HoldoutRun", "HoldoutSplit", "Param", "Plan", "Summary", "Tally", "TuneError", "TuneJob", "WorkersResult",
     "_interrupt_once", "constraint_values", "create_study", "default_storage", "display_url",
-    "export_best", "is_feasible", "is_in_memory", "lock_is_exact", "make_sampler",
+    "export_best", "holdout_runs", "holdout_split", "is_feasible", "is_in_memory", "lock_is_exact", "make_sampler",
     "metric_value", "open_storage", "prepare", "run_worker", "run_workers", "study_lock",
     "summarize", "tally", "trial_workload", "worker_id", "worker_seed", "write_plots",
 ]

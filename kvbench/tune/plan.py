@@ -50,6 +50,8 @@ class TuneJob:
     storage: str | None = None
     study_name: str | None = None
     heartbeat_s: int = 10
+    holdout: float | None = None
+    """Tune on the first 1 - holdout of the requests; `holdout.holdout_runs` replays the rest."""
 
 
 @dataclasses.dataclass
@@ -93,6 +95,24 @@ class Param:
         return [float(round(e.low + i * e.step, 12)) for i in range(count)]
 
 
+@dataclasses.dataclass(frozen=True)
+class HoldoutSplit:
+    """`--holdout`: trials replay requests [0, tune_requests), the check [tune_requests, total)."""
+
+    fraction: float
+    tune_requests: int
+    total_requests: int
+
+    @property
+    def tune_sets(self) -> tuple[str, ...]:
+        return (f"requests.limit={self.tune_requests}",)
+
+    @property
+    def holdout_sets(self) -> tuple[str, ...]:
+        return (f"requests.skip={self.tune_requests}",
+                f"requests.limit={self.total_requests - self.tune_requests}")
+
+
 @dataclasses.dataclass
 class Plan:
     job: TuneJob
@@ -104,6 +124,7 @@ class Plan:
     n_trials: int
     grid_size: int | None
     fingerprint: dict
+    holdout: HoldoutSplit | None = None
 
     @property
     def metric_names(self) -> list[str]:
@@ -175,7 +196,14 @@ def _check_metric(wl: Workload, path: str, where: tuple) -> None:
 
 
 def prepare(job: TuneJob) -> Plan:
-    """Load and check the workload's `tune:` section; every problem is one InputError line."""
+    """Load and check the workload's `tune:` section; every problem is one InputError line.
+    With `job.holdout`, the plan's job tunes on the first part of the requests only (so the
+    worker processes, which rebuild the plan from it, need not split again)."""
+    if job.holdout is not None:
+        split = holdout_split(job)
+        plan = prepare(dataclasses.replace(job, sets=job.sets + split.tune_sets, holdout=None))
+        plan.holdout = split
+        return plan
     wl = load_workload(job.workload, job.sets)
     if wl.tune is None:
         raise InputError(f"{job.workload}: no tune: section; add tune.space (dotted.key -> "
@@ -219,6 +247,25 @@ def prepare(job: TuneJob) -> Plan:
     }
     return Plan(job, wl, tune, params, storage, job.study_name or wl.name, n_trials, grid_size,
                 fingerprint)
+
+
+def holdout_split(job: TuneJob) -> HoldoutSplit:
+    """Where `--holdout` cuts the workload's request stream (counted by loading it once)."""
+    from ..runner import load_workload_requests
+
+    fraction = job.holdout
+    if not 0 < fraction < 1:
+        raise InputError(f"--holdout: expected a fraction between 0 and 1 (got {fraction})")
+    wl = load_workload(job.workload, job.sets)
+    if wl.requests.skip:
+        raise InputError(f"{job.workload}: requests.skip: --holdout splits the stream itself; "
+                         "remove requests.skip")
+    total = len(load_workload_requests(wl))
+    tune_requests = int(total * (1 - fraction))
+    if not 0 < tune_requests < total:
+        raise InputError(f"--holdout {fraction}: {total} requests leave none to "
+                         f"{'tune on' if tune_requests == 0 else 'hold out'}")
+    return HoldoutSplit(fraction, tune_requests, total)
 
 
 def trial_workload(plan: Plan, params: dict[str, Any]) -> Workload:

@@ -175,6 +175,35 @@ def pareto_table(plan: T.Plan, summary: T.Summary) -> Table:
     return table
 
 
+HOLDOUT_METRICS = ("hit_rate", "lru_hit_rate", "gap_closed")
+"""Shown beside the objectives on the held-out requests (where a run has them)."""
+
+
+def holdout_table(plan: T.Plan, runs: list[T.HoldoutRun]) -> Table:
+    """The chosen configuration on the tuned part and on the held-out rest, beside the
+    workload as written on the held-out rest."""
+    split = plan.holdout
+    table = Table(title=f"Held out: the last {split.total_requests - split.tune_requests} of "
+                        f"{split.total_requests} requests (tuned on the first "
+                        f"{split.tune_requests})", title_justify="left")
+    table.add_column("metric")
+    best, written = runs
+    table.add_column("best trial, tuned part", justify="right")
+    table.add_column("best trial, held out", justify="right", style="bold")
+    table.add_column("as written, held out", justify="right")
+    names = list(dict.fromkeys([*plan.metric_names, *HOLDOUT_METRICS]))
+    for name in names:
+        cells = []
+        for metrics in (best.tuned or {}, best.held_out, written.held_out):
+            try:
+                cells.append(fmt_value(name, T.metric_value(metrics, name)))
+            except KeyError:
+                cells.append("-")
+        if any(c != "-" for c in cells):
+            table.add_row(name, *cells)
+    return table
+
+
 def _print_wide(console: Console, table: Table) -> None:
     """A file or pipe gets the whole table, not one squeezed into 80 columns."""
     if console.is_terminal:
@@ -243,6 +272,10 @@ def tune_command(job: T.TuneJob, *, workers: int, export_best: Path | None,
             _print_wide(out, pareto_table(plan, summary))
         else:
             out.print("no feasible complete trial yet")
+    if plan.holdout is not None and summary.best is not None and not interrupted:
+        runs = T.holdout_runs(plan, summary.best)
+        if not quiet:
+            _print_wide(out, holdout_table(plan, runs))
     if interrupted:
         err.print(f"interrupted: {summary.tally.finished} of {plan.n_trials} trials kept; "
                   "run the same command to resume")

@@ -106,14 +106,15 @@ class FreeQueue:
         mask = self._nonempty
         return (mask & -mask).bit_length() - 1 if mask else NUM_PRIORITY_LEVELS
 
-    def pop_level_upto(self, level: int, n: int, stamps: list, max_stamp) -> list[BlockId]:
-        """Up to `n` blocks from the front of `level` while `stamps[block] <= max_stamp`
-        (a policy whose queue is ordered by a stamp takes a run of victims at once)."""
+    def pop_level_upto(self, level: int, n: int, stamps=None, max_stamp=0) -> list[BlockId]:
+        """Up to `n` blocks from the front of `level`, while `stamps[block] <= max_stamp` when
+        `stamps` is given (a policy takes a run of victims at once: a queue ordered by a stamp,
+        or the heads a per-block mark lets go)."""
         out: list[BlockId] = []
         s = self._sentinel0 + level
         nxt, prv, lv = self._next, self._prev, self._level
         b = nxt[s]
-        while b != s and len(out) < n and stamps[b] <= max_stamp:
+        while b != s and len(out) < n and (stamps is None or stamps[b] <= max_stamp):
             out.append(b)
             lv[b] = _NONE
             b = nxt[b]

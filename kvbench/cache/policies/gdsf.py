@@ -54,18 +54,19 @@ class GDSFPolicy(ClassQueuePolicy):
         seen_map = hist.map
         top = self.params.max_freq
         clock = hist.clock
-        classes = []
+        classes: list[int] = []
+        append, get = classes.append, seen_map.get
         for b in reversed(blocks):  # shallowest first, as the sequence touched them
             clock += 1
             key = stored[b][0]
             n = 1
             if key is not None:
-                seen = seen_map.get(key)
+                seen = get(key)
                 if seen is not None:
                     was = seen & 255
                     n = was + 1 if was < top else top
                 seen_map[key] = (clock << 8) | n
-            classes.append(n)
+            append(n)
         hist.clock = clock
         hist.settle()
         classes.reverse()

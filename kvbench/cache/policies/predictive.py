@@ -72,13 +72,14 @@ class PredictivePolicy(ClassQueuePolicy):
         uses, reuses, horizon = self.uses, self.reuses, self._horizon
         top = self.params.max_class
         stamp = clock = hist.clock
-        classes = []
+        classes: list[int] = []
+        append, get = classes.append, seen_map.get
         for b in reversed(blocks):  # shallowest first, as the sequence touched them
             clock += 1
             key = stored[b][0]
             cls = 1
             if key is not None:
-                seen = seen_map.get(key)
+                seen = get(key)
                 if seen is not None:
                     was = seen & 255
                     if clock - (seen >> 8) <= horizon:
@@ -87,7 +88,7 @@ class PredictivePolicy(ClassQueuePolicy):
                 # Entry: (clock of this use << 8) | its class.
                 seen_map[key] = (clock << 8) | cls
             uses[cls] += 1
-            classes.append(cls)
+            append(cls)
         hist.clock = clock
         hist.settle()
         self._update_shifts()

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
+from ..free_queue import FreeQueue
 from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import KeyHistory
-
-_LOW_LEVELS = NUM_PRIORITY_LEVELS
 
 
 class _TwoQueues:
@@ -57,10 +55,6 @@ class _TwoQueues:
         """A claim: the block is in use (a hit, or a partial match being taken)."""
         (self.second if self._in_second[block] else self.first).remove(block)
         self._hit[block] = 1
-
-    def _lowest(self, q: FreeQueue) -> int:
-        mask = q._nonempty
-        return (mask & -mask).bit_length() - 1 if mask else _LOW_LEVELS
 
     def _new_data(self, b: BlockId) -> bool:
         """Whether the block holds data it did not hold when last queued (then its claim
@@ -139,20 +133,16 @@ class SLRUPolicy(_TwoQueues):
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
-        first, second, in_second = self.first, self.second, self._in_second
+        first, second, in_second, rec = self.first, self.second, self._in_second, self._rec
         while len(out) < n and (len(first) or len(second)):
-            q = first if self._lowest(first) <= self._lowest(second) else second
-            b = q.front()
-            q.remove(b)
-            in_second[b] = 0
-            self._rec[b] = None
-            out.append(b)
+            lf, ls = first.lowest_level(), second.lowest_level()
+            q, level = (first, lf) if lf <= ls else (second, ls)
+            run = q.pop_level_upto(level, n - len(out))
+            for b in run:
+                in_second[b] = 0
+                rec[b] = None
+            out.extend(run)
         return out
-
-    def order(self) -> list[BlockId]:
-        merged = [(self.first._level[b], 0, i, b) for i, b in enumerate(self.first.order())]
-        merged += [(self.second._level[b], 1, i, b) for i, b in enumerate(self.second.order())]
-        return [BlockId(x[3]) for x in sorted(merged)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,32 +195,39 @@ class S3FIFOPolicy(_TwoQueues):
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
         first, second, in_second, freq = self.first, self.second, self._in_second, self._freq
-        hist, stored = self.history, self.index.stored
+        hist, stored, rec = self.history, self.index.stored, self._rec
         while len(out) < n and (len(first) or len(second)):
-            lf, ls = self._lowest(first), self._lowest(second)
+            lf, ls = first.lowest_level(), second.lowest_level()
             if lf < ls or (lf == ls and len(first) > self._target):
-                b = first.front()
-                level = first._level[b]
-                first.remove(b)
-                if freq[b]:
+                # The small FIFO's unaccessed heads are evicted as one run (down to its target
+                # size while the main FIFO has blocks at this level); an accessed head moves.
+                k = n - len(out) if lf < ls else min(n - len(out), len(first) - self._target)
+                run = first.pop_level_upto(lf, k, freq, 0)
+                if run:
+                    for b in run:
+                        key = stored[b][0]
+                        if key is not None:
+                            hist.clock += 1
+                            hist.map[key] = hist.clock << 8
+                            hist.settle()
+                        rec[b] = None
+                    out.extend(run)
+                else:
+                    b = first.front()
+                    first.remove(b)
                     freq[b] = 0
                     in_second[b] = 1
-                    second.push_back(b, level)
-                    continue
-                key = stored[b][0]
-                if key is not None:
-                    hist.clock += 1
-                    hist.map[key] = hist.clock << 8
-                    hist.settle()
+                    second.push_back(b, lf)
             else:
-                b = second.front()
-                level = second._level[b]
-                second.remove(b)
-                if freq[b]:
+                run = second.pop_level_upto(ls, n - len(out), freq, 0)
+                if run:
+                    for b in run:
+                        in_second[b] = 0
+                        rec[b] = None
+                    out.extend(run)
+                else:  # an accessed head: a second chance at the tail
+                    b = second.front()
+                    second.remove(b)
                     freq[b] -= 1
-                    second.push_back(b, level)
-                    continue
-                in_second[b] = 0
-            self._rec[b] = None
-            out.append(b)
+                    second.push_back(b, ls)
         return out

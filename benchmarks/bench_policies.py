@@ -8,7 +8,9 @@ replays at >= 1M block operations per second in cache mode (an operation: one bl
 claims or allocates).
 
 Usage: python benchmarks/bench_policies.py [--traces conversation,synthetic]
-       [--capacities 1048576,262144] [--policies lru,slru,...] [--no-partial] [--markdown]
+       [--capacities 1048576,262144] [--policies lru,slru,...] [--admission second_use]
+       [--no-partial] [--markdown]
+The LRU reference is always LRU with admission `all` (run first when --admission is another).
 Timings on a shared machine are noisy: compare policies from the same invocation.
 """
 
@@ -49,22 +51,26 @@ def main() -> None:
             optimal = reference_hit_rates(requests, args.tpb, blocks,
                                           partial_reuse=args.partial).optimal_hit_rate
             lru = None
-            for policy in policies:
+            runs = [(p, args.admission) for p in policies]
+            if args.admission != "all":  # the reference is LRU as the engines run it
+                runs.insert(0, ("lru", "all"))
+            for policy, admission in runs:
                 for r in requests:
                     r.block_keys(args.tpb)  # key hashing is not the policy's cost
                 gc.collect()
                 spec = CacheSpec(args.tpb, blocks, enable_partial_reuse=args.partial,
-                                 eviction_policy=policy, admission=args.admission)
+                                 eviction_policy=policy, admission=admission)
                 manager = KVCacheManager(spec)
                 t0 = time.perf_counter()
                 result = replay_cache_mode(requests, manager)
                 wall = time.perf_counter() - t0
                 ops = manager.allocated_blocks + result.reused_full_blocks
                 hit = result.reused_tokens / result.prompt_tokens
-                if policy == "lru":
+                if lru is None and policy == "lru":
                     lru = hit
                 gap = (hit - lru) / (optimal - lru) if lru is not None and optimal > lru else None
-                row = [trace, str(cap), policy, f"{100 * hit:.2f}%",
+                name = policy if admission == "all" else f"{policy}+{admission}"
+                row = [trace, str(cap), name, f"{100 * hit:.2f}%",
                        f"{100 * lru:.2f}%" if lru is not None else "-", f"{100 * optimal:.2f}%",
                        f"{100 * gap:.1f}%" if gap is not None else "-",
                        f"{100 * (hit - lru):+.2f}" if lru is not None else "-",

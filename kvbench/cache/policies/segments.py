@@ -56,16 +56,6 @@ class _TwoQueues:
         (self.second if self._in_second[block] else self.first).remove(block)
         self._hit[block] = 1
 
-    def _new_data(self, b: BlockId) -> bool:
-        """Whether the block holds data it did not hold when last queued (then its claim
-        mark is cleared: a claim of older data is no hit on this)."""
-        rec = self.index.stored[b]
-        if rec is self._rec[b]:
-            return False
-        self._rec[b] = rec
-        self._hit[b] = 0
-        return True
-
     def _check_sanity(self) -> bool:
         for b in range(len(self._in_second)):
             if b in self.first:
@@ -104,14 +94,17 @@ class SLRUPolicy(_TwoQueues):
         clock = hist.clock
         probation: list[BlockId] = []
         protected: list[BlockId] = []
+        last = self._rec
         for b in reversed(blocks):  # shallowest first, as the sequence touched them
             clock += 1
-            key = stored[b][0]
-            if self._new_data(b):
+            rec = stored[b]
+            key = rec[0]
+            if rec is not last[b]:  # data it did not hold when last queued
+                last[b] = rec
                 protect = key is not None and key in seen
             else:
                 protect = hit[b] or in_second[b]
-                hit[b] = 0
+            hit[b] = 0
             if key is not None:
                 seen[key] = clock << 8
             in_second[b] = protect
@@ -124,12 +117,14 @@ class SLRUPolicy(_TwoQueues):
         self.first.push_back_many(probation, priority)
         second = self.second
         second.push_back_many(protected, priority)
-        while len(second) > self._cap:
-            b = second.front()
-            level = second._level[b]
-            second.remove(b)
-            in_second[b] = 0
-            self.first.push_back(b, level)
+        excess = len(second) - self._cap
+        while excess > 0:  # demote protected's LRU end, one run per level
+            level = second.lowest_level()
+            run = second.pop_level_upto(level, excess)
+            for b in run:
+                in_second[b] = 0
+            self.first.push_back_many(run, level)
+            excess -= len(run)
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
@@ -179,10 +174,14 @@ class S3FIFOPolicy(_TwoQueues):
         top = self.params.max_freq
         small: list[BlockId] = []
         main: list[BlockId] = []
+        last = self._rec
         for b in blocks:
-            if self._new_data(b):
+            rec = stored[b]
+            if rec is not last[b]:  # data it did not hold when last queued
+                last[b] = rec
+                hit[b] = 0
                 freq[b] = 0
-                key = stored[b][0]
+                key = rec[0]
                 in_second[b] = key is not None and key in ghosts
             elif hit[b]:
                 hit[b] = 0

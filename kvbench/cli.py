@@ -352,13 +352,22 @@ def trace_convert_cmd(
     out_block_tokens: Annotated[Optional[int], typer.Option(
         "--out-block-tokens", min=1, help="Block size of the Mooncake ids written for a "
         "token-id trace (a hash-id trace keeps its own).")] = None,
+    tile: Annotated[Optional[int], typer.Option(
+        "--tile", min=1, help="Repeat the trace N times, fresh ids and shifted times per tile "
+        "(a production-size trace from a real one; Mooncake output).")] = None,
     quiet: QuietOption = False,
 ) -> None:
     """Convert a trace to Mooncake JSONL at its own block size (or to token-id JSONL)."""
-    from .traffic.convert import convert
+    from .traffic.convert import convert, tile as tile_trace
 
-    reader = _open_trace(trace, fmt, block_tokens, cover, sessions)
-    n, block = convert(reader, output, to, out_block_tokens)
+    if tile is not None:
+        if to != "mooncake":
+            raise InputError("--tile: writes Mooncake JSONL only (--to mooncake)")
+        n, block = tile_trace(
+            lambda: _open_trace(trace, fmt, block_tokens, cover, sessions), output, tile)
+    else:
+        n, block = convert(_open_trace(trace, fmt, block_tokens, cover, sessions), output, to,
+                           out_block_tokens)
     if not quiet:
         how = (f"requests.format: mooncake, requests.block_tokens: {block}" if to == "mooncake"
                else "requests.format: token_ids")

@@ -20,12 +20,14 @@ The last prompt token is always computed, so a request reuses at most `input_len
 from __future__ import annotations
 
 import heapq
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from .traffic.request import Request
+from .traffic.request import _END_BITS, Request
 
 _INF = 1 << 62
 
@@ -258,3 +260,175 @@ def _belady(
             resident[k] = u
             heappush(heap, (-u, -j, k))
     return reused
+
+
+def streamed_reference_hit_rates(
+    trace, tokens_per_block: int, capacity_blocks: int | None, *, partial_reuse: bool,
+    block_reuse: bool = True,
+) -> ReferenceHitRates:
+    """`reference_hit_rates` of a `kvbench.traffic.spill.SpilledTrace`, with memory that does
+    not grow with the number of requests beyond two tables indexed by hash id: an int32 per id
+    (the longest earlier prompt holding it, for the ideal) and, for the optimal, an int32 per
+    (id, block of the run inside it) (its nearest later use, in a backward pass). The next use
+    of every full block is written to a temporary file in that backward pass and read back in
+    order by the forward replay; the farthest-next-use heap is compacted to the blocks resident.
+
+    Trace prompts share whole trace blocks and their ids are prefix-chained, so a prompt's
+    longest prefix shared with any earlier one follows from the longest earlier prompt holding
+    each id: the ideal's full blocks are that prefix in whole run blocks (at most
+    (L - 1) // tpb) and, with partial reuse, the ideal reuses the prefix itself (at most L - 1),
+    as `_ideal_partial` finds token by token. The results equal `reference_hit_rates`."""
+    tpb = tokens_per_block
+    prompt_tokens = trace.prompt_tokens
+    if not block_reuse or not len(trace):
+        return ReferenceHitRates(prompt_tokens, 0, 0 if capacity_blocks is not None else None)
+    with tempfile.TemporaryDirectory(prefix="kvbench-nextuse-") as folder:
+        next_path = Path(folder) / "next_use.bin"
+        if capacity_blocks is not None:
+            _backward_next_uses(trace, tpb, next_path)
+        ideal, optimal = _forward_references(
+            trace, tpb, capacity_blocks, partial_reuse, next_path)
+    return ReferenceHitRates(prompt_tokens, ideal, optimal)
+
+
+def _run_keys(ids: np.ndarray, length: int, tpb: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(trace id, end) of every full run block of a trace prompt: the id of the trace block
+    holding the run block's last token, and the run block's end (`Request.block_keys`)."""
+    ends = np.arange(tpb, length + 1, tpb, dtype=np.int64)
+    return ids[(ends - 1) // block], ends
+
+
+def _backward_next_uses(trace, tpb: int, path: Path) -> None:
+    """For every full block of every prompt, in order: the next request that could reuse it
+    (inside its hittable prefix), or -1; int32 in `path`. Last request first, with the nearest
+    later hittable use of every (id, block inside it) in one int32 table."""
+    block = trace.block_tokens
+    per_id = -(-block // tpb)
+    table = np.full((trace.max_id + 1) * per_id, -1, dtype=np.int32)
+    lengths = np.frombuffer(trace.input_lengths, dtype=np.int32).astype(np.int64)
+    full = lengths // tpb
+    starts = np.concatenate(([0], np.cumsum(full)))
+    pending: list[np.ndarray] = []
+    pending_n = 0
+    i = len(trace)
+    with open(path, "wb") as f:
+        f.truncate(int(starts[-1]) * 4)
+        for ids in trace.ids_backward():
+            i -= 1
+            length = int(lengths[i])
+            tid, ends = _run_keys(ids, length, tpb, block)
+            slot = tid * per_id + ((ends - 1) % block) // tpb
+            pending.append(table[slot])
+            pending_n += len(slot)
+            table[slot[:(length - 1) // tpb]] = i
+            if pending_n >= _NEXT_USE_CHUNK or i == 0:
+                f.seek(int(starts[i]) * 4)
+                np.concatenate(pending[::-1]).tofile(f)
+                pending, pending_n = [], 0
+
+
+_NEXT_USE_CHUNK = 1 << 20
+
+
+def _forward_references(trace, tpb: int, capacity: int | None, partial_reuse: bool,
+                        next_path: Path) -> tuple[int, int | None]:
+    """Ideal and optimal reused tokens in one pass in request order (see `_belady`)."""
+    block = trace.block_tokens
+    longest = np.zeros(trace.max_id + 1, dtype=np.int32)
+    lengths = trace.input_lengths
+    ideal = 0
+    belady = _StreamingBelady(capacity, tpb) if capacity is not None else None
+    uses = _Int32Reader(next_path) if capacity is not None else None
+    for i, ids in enumerate(trace.ids_forward()):
+        length = lengths[i]
+        seen = longest[ids]
+        unseen = np.flatnonzero(seen == 0)
+        nb = int(unseen[0]) if len(unseen) else len(ids)
+        shared = min(int(seen[nb - 1]), length, nb * block) if nb else 0
+        np.maximum(seen, length, out=seen)
+        longest[ids] = seen
+        reach = min(shared, length - 1)
+        m = reach // tpb
+        p = reach - m * tpb if partial_reuse else 0
+        ideal += m * tpb + p
+        if belady is not None:
+            tid, ends = _run_keys(ids, length, tpb, block)
+            keys = ((tid << _END_BITS) | ends).tolist()
+            belady.request(i, keys, (length - 1) // tpb, -(-length // tpb), uses.take(len(keys)),
+                           m, p)
+    if uses is not None:
+        uses.close()
+    return ideal, (belady.reused if belady is not None else None)
+
+
+class _Int32Reader:
+    """Consecutive runs of an int32 file, read in large chunks."""
+
+    __slots__ = ("f", "buf", "at")
+
+    def __init__(self, path: Path) -> None:
+        self.f = open(path, "rb")
+        self.buf: list[int] = []
+        self.at = 0
+
+    def take(self, n: int) -> list[int]:
+        if self.at + n > len(self.buf):
+            more = np.fromfile(self.f, dtype=np.int32, count=max(_NEXT_USE_CHUNK, n))
+            self.buf = self.buf[self.at:] + more.tolist()
+            self.at = 0
+        out = self.buf[self.at:self.at + n]
+        self.at += n
+        return out
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class _StreamingBelady:
+    """`_belady` one request at a time, its heap rebuilt from the resident blocks whenever stale
+    entries outnumber them, so memory stays proportional to the capacity. Popping order is
+    the same: entries are totally ordered by (next use, depth, key)."""
+
+    __slots__ = ("capacity", "tpb", "resident", "never", "heap", "reused")
+
+    def __init__(self, capacity: int, tpb: int) -> None:
+        self.capacity = capacity
+        self.tpb = tpb
+        self.resident: dict[int, tuple[int, int]] = {}  # key -> (next use, depth)
+        self.never = 0
+        self.heap: list[tuple[int, int, int]] = []
+        self.reused = 0
+
+    def request(self, i: int, keys: list[int], cap: int, num_blocks: int, uses: list[int],
+                ideal_full: int, partial: int) -> None:
+        resident, heap = self.resident, self.heap
+        h = 0
+        while h < cap and keys[h] in resident:
+            h += 1
+        self.reused += h * self.tpb + (partial if h == ideal_full else 0)
+        excess = len(resident) + self.never + (num_blocks - h) - self.capacity
+        while excess > 0:
+            if self.never:
+                take = min(self.never, excess)
+                self.never -= take
+                excess -= take
+                continue
+            nu, nd, k = heapq.heappop(heap)
+            entry = resident.get(k)
+            if entry is None or entry[0] != -nu:
+                continue
+            assert -nu != i, "a request larger than the cache reached the oracle"
+            del resident[k]
+            excess -= 1
+        for j in range(h):
+            if uses[j] < 0:
+                del resident[keys[j]]
+        for j, (k, u) in enumerate(zip(keys, uses)):
+            if u < 0:
+                self.never += 1
+            else:
+                resident[k] = (u, j)
+                heapq.heappush(heap, (-u, -j, k))
+        if len(heap) > 2 * len(resident) + 1024:
+            self.heap = [(-u, -j, k) for k, (u, j) in resident.items()]
+            heapq.heapify(self.heap)

@@ -20,9 +20,10 @@ from .engine.serve import SERVE_COUNTERS, run_serve
 from .engine.speculative import Speculation
 from .errors import InputError
 from .metrics import percentile_summary, unregistered
-from .oracle import reference_hit_rates
+from .oracle import reference_hit_rates, streamed_reference_hit_rates
 from .results import RunOutcome
-from .traffic import Request, load_traffic
+from .traffic import Request, load_traffic, open_trace, trace_options, trace_path
+from .traffic.spill import NotSpillable, SpilledTrace
 from .traffic.decoding import apply_decoding
 from .traffic.tracefile import warn
 
@@ -110,16 +111,23 @@ def cross_manager(wl: Workload, requests: list[Request]) -> KVCacheManager | Non
 
 def run_workload(workload: Workload, progress: ProgressFactory | None = None) -> list[RunOutcome]:
     """Run every variant of `workload` on the same request stream (reloaded only when a
-    variant changes the requests or the seed)."""
+    variant changes the requests or the seed, or needs it in memory where another streamed
+    it)."""
     outcomes = []
-    loaded: dict[str, list[Request]] = {}
-    for name, wl in workload.variant_workloads():
-        _check_supported(wl)
-        source_key = wl.requests.model_dump_json() + f"/seed={wl.run.seed}"
-        requests = loaded.get(source_key)
-        if requests is None:
-            requests = loaded[source_key] = _load(wl)
-        outcomes.append(_run_one(name, wl, requests, progress))
+    loaded: dict[str, list[Request] | SpilledTrace] = {}
+    try:
+        for name, wl in workload.variant_workloads():
+            _check_supported(wl)
+            stream = _streamable(wl)
+            source_key = wl.requests.model_dump_json() + f"/seed={wl.run.seed}/stream={stream}"
+            requests = loaded.get(source_key)
+            if requests is None:
+                requests = loaded[source_key] = _load(wl, stream)
+            outcomes.append(_run_one(name, wl, requests, progress))
+    finally:
+        for requests in loaded.values():
+            if isinstance(requests, SpilledTrace):
+                requests.close()
     return outcomes
 
 
@@ -128,20 +136,40 @@ def load_workload_requests(wl: Workload) -> list[Request]:
     return _load(wl)
 
 
-def _load(wl: Workload) -> list[Request]:
+def _streamable(wl: Workload) -> bool:
+    """A cache-mode run of a trace on one pool without a data plane streams its requests
+    (`traffic/spill.py`, `oracle.streamed_reference_hit_rates`): its memory does not grow with
+    the trace, so production-size traces fit."""
+    r = wl.requests
+    return (wl.run.mode == "cache" and r.source == "trace" and not _windowed(wl)
+            and wl.run.backend == "none" and r.beam_widths is None and r.retention is None
+            and not r.encoder.tokens)
+
+
+def _load(wl: Workload, stream: bool = False) -> list[Request] | SpilledTrace:
     base = wl.source_path.parent if wl.source_path is not None else resolve_path(wl, ".")
-    requests, reader = load_traffic(wl.requests, base_dir=base, seed=wl.run.seed)
-    if not requests:
+    requests = reader = None
+    if stream:
+        reader = open_trace(trace_path(wl.requests, base), wl.requests.format,
+                            trace_options(wl.requests, wl.run.seed))
+        try:
+            requests = SpilledTrace(iter(reader), beam_width=wl.requests.beam_width)
+        except NotSpillable:
+            requests = None  # read again, into memory
+    if requests is None:
+        requests, reader = load_traffic(wl.requests, base_dir=base, seed=wl.run.seed)
+    if not len(requests):
         raise InputError(f"{_where(wl)}: requests: the request stream is empty")
     if reader is not None and reader.without_ids == len(requests) and wl.run.mode == "cache":
         warn(f"{reader.path}: the trace has no prefix information ({reader.format}: arrivals "
              "and lengths only), so cache mode has nothing to reuse and its hit rates are 0 "
              "by construction; run.mode: serve uses such a trace as it is")
-    apply_decoding(requests, wl.requests, wl.run.seed)
-    if wl.requests.retention is not None:
-        retention = wl.requests.retention.to_retention()
-        for r in requests:
-            r.retention = retention
+    if not isinstance(requests, SpilledTrace):  # a spilled trace has neither option
+        apply_decoding(requests, wl.requests, wl.run.seed)
+        if wl.requests.retention is not None:
+            retention = wl.requests.retention.to_retention()
+            for r in requests:
+                r.retention = retention
     return requests
 
 
@@ -296,9 +324,12 @@ def serve_clock(wl: Workload):
     return StepClock(wl.model, hardware_from_config(wl.hardware))
 
 
-def _check_fits(wl: Workload, requests: list[Request], num_blocks: int) -> None:
+def _check_fits(wl: Workload, requests: list[Request] | SpilledTrace, num_blocks: int) -> None:
     tpb = wl.cache.tokens_per_block
-    largest = max(requests, key=lambda r: grow_blocks(tpb, r, 0, r.input_length))
+    if isinstance(requests, SpilledTrace):
+        largest = requests.shape_of(requests.largest())
+    else:
+        largest = max(requests, key=lambda r: grow_blocks(tpb, r, 0, r.input_length))
     need = grow_blocks(tpb, largest, 0, largest.input_length)
     if need > num_blocks:
         raise InputError(
@@ -375,7 +406,8 @@ def _serve_blocks_bound(wl: Workload, cycle: LifeCycle, request: Request, length
 
 
 def _run_one(
-    name: str, wl: Workload, requests: list[Request], progress: ProgressFactory | None
+    name: str, wl: Workload, requests: list[Request] | SpilledTrace,
+    progress: ProgressFactory | None,
 ) -> RunOutcome:
     if wl.run.mode == "serve":
         return _run_serve(name, wl, requests, progress)
@@ -386,7 +418,8 @@ def _run_one(
         _check_fits(wl, requests, spec.num_gpu_blocks)
     else:
         spec = windowed.managers[0].spec
-    cross = cross_manager(wl, requests)
+    streamed = isinstance(requests, SpilledTrace)
+    cross = None if streamed else cross_manager(wl, requests)
     plane = _open_data_plane(wl, spec, windowed, cross=cross)
     t0 = time.perf_counter()
     manager = KVCacheManager(spec) if windowed is None else windowed
@@ -396,7 +429,7 @@ def _run_one(
     # With windows it is null (the offline optimum is for one pool) and the ideal is an
     # unlimited cache under the same window rules.
     if windowed is None:
-        refs = reference_hit_rates(
+        refs = (streamed_reference_hit_rates if streamed else reference_hit_rates)(
             requests, spec.tokens_per_block, spec.num_gpu_blocks + spec.num_host_blocks,
             partial_reuse=spec.enable_partial_reuse, block_reuse=spec.enable_block_reuse)
         ideal, optimal = refs.ideal_hit_rate, refs.optimal_hit_rate
@@ -405,8 +438,9 @@ def _run_one(
     hit = result.reused_tokens / result.prompt_tokens
     lru = hit if _is_lru(wl) else _lru_reference(wl, requests)
     wall = time.perf_counter() - t0
-    for r in requests:
-        r.drop_keys()
+    if not streamed:  # a streamed trace's requests are gone already
+        for r in requests:
+            r.drop_keys()
     metrics = {
         **_cache_metrics(wl, manager, requests, result.reused_tokens, result.reused_tokens_host,
                          result.reused_partial_tokens),
@@ -444,7 +478,8 @@ def _lru_reference(wl: Workload, requests: list[Request]) -> float:
         update={"eviction_policy": "lru", "admission": "all"})})
     manager = (windowed_manager(lru, requests) if _windowed(lru)
                else KVCacheManager(cache_spec(lru)))
-    result = replay_cache_mode(requests, manager, cross=cross_manager(lru, requests))
+    cross = None if isinstance(requests, SpilledTrace) else cross_manager(lru, requests)
+    result = replay_cache_mode(requests, manager, cross=cross)
     return result.reused_tokens / result.prompt_tokens
 
 
@@ -457,13 +492,14 @@ def gap_closed(hit: float, lru: float | None, optimal: float | None) -> float | 
 
 
 def _cache_metrics(
-    wl: Workload, manager: CacheManager, requests: list[Request],
+    wl: Workload, manager: CacheManager, requests: list[Request] | SpilledTrace,
     reused: int, reused_host: int, reused_partial: int,
 ) -> dict:
     """Reuse, memory and host-traffic metrics of a run in either mode, with one pool or one
     per attention life cycle. Host-link time is modeled: bytes over the hardware's host link
     at the clock's efficiency (`engine/clock.py`)."""
-    prompt = sum(r.input_length for r in requests)
+    prompt = (requests.prompt_tokens if isinstance(requests, SpilledTrace)
+              else sum(r.input_length for r in requests))
     onboard_bytes, offload_bytes = manager.moved_bytes(block_bytes(wl))
     link = host_link_bytes_per_s(hardware_from_config(wl.hardware))
     return {

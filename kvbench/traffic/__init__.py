@@ -7,13 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbench.errors import InputError
+from kvbench.errors import InputError, TraceWarning
 from kvbench.metrics import percentile_summary
 from kvbench.traffic.formats import FORMATS, open_trace, sniff
 from kvbench.traffic.mooncake import read_mooncake
 from kvbench.traffic.request import Request
 from kvbench.traffic.synthetic import generate
-from kvbench.errors import TraceWarning
 from kvbench.traffic.tracefile import SessionStart, TraceOptions, TraceReader
 
 __all__ = ["FORMATS", "Request", "TraceOptions", "TraceReader", "TraceWarning", "generate",

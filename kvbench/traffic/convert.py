@@ -79,6 +79,9 @@ def _write_lines(path: Path, lines: Iterable[str]) -> int:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     n = 0
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as a plain open() would create it
         with os.fdopen(fd, "w") as f:
             for line in lines:
                 f.write(line)
@@ -89,3 +92,34 @@ def _write_lines(path: Path, lines: Iterable[str]) -> int:
         os.unlink(tmp)
         raise
     return n
+
+
+def tile(open_reader, out: Path, times: int) -> tuple[int, int | None]:
+    """Write the trace `times` times over as Mooncake JSONL: a production-size trace from a
+    real one. Tile k shifts every id by k x (largest id + 1), so tiles share nothing with each
+    other (as different users would not), and every arrival by k x (the trace's span plus its
+    mean gap), so tiles follow each other in time. `open_reader()` returns a fresh reader."""
+    if times < 1:
+        raise InputError(f"--tile: expected a positive number, got {times}")
+    reader = open_reader()
+    top, first, last, n, block = -1, None, 0.0, 0, None
+    for r in reader:
+        if r.hash_ids is None:
+            raise InputError("--tile: a token-id trace: convert it to Mooncake ids first")
+        if len(r.hash_ids):
+            top = max(top, int(r.hash_ids.max()))
+        first = r.arrival_s if first is None else first
+        last = r.arrival_s
+        n += 1
+        block = r.trace_block_tokens
+    span = (last - first) if n else 0.0
+    shift = span + (span / (n - 1) if n > 1 else 1.0)
+    stride = top + 1
+
+    def lines() -> Iterator[str]:
+        for k in range(times):
+            for r in open_reader():
+                r.arrival_s += k * shift
+                yield _mooncake_line(r, (r.hash_ids + k * stride).tolist())
+
+    return _write_lines(out, lines()), block

@@ -20,6 +20,7 @@ from kvbench.traffic.request import Request
 _CHUNK_IDS = 1 << 20
 # Dense ids only: the references index tables by id, so a sparse id space would waste memory.
 _MAX_ID_SLACK = 4
+_MIN_ID_SPACE = 1 << 20
 
 
 class NotSpillable(Exception):
@@ -62,7 +63,7 @@ class SpilledTrace:
                 buffer.append(ids)
                 buffered += len(ids)
                 self.num_ids += len(ids)
-                if self.max_id >= _MAX_ID_SLACK * self.num_ids + _CHUNK_IDS:
+                if self.max_id >= _MAX_ID_SLACK * self.num_ids + _MIN_ID_SPACE:
                     raise NotSpillable("sparse ids")
                 if buffered >= _CHUNK_IDS:
                     np.concatenate(buffer).astype(np.int64, copy=False).tofile(f)

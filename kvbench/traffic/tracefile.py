@@ -212,8 +212,9 @@ class UnitCheck:
     def check(self, name: str, lineno: int, value: float) -> None:
         if self.reported:
             return
-        # Unix time now is ~1.7e9 s = ~1.7e12 ms; a relative trace stays far below either.
-        if self.expected == "ms" and 1e8 <= value < 1e11:
+        # Unix time is 1e9..1e10 s (2001..2286) = 1e12..1e13 ms; a relative trace stays below
+        # 1e9 ms (11.6 days) or 1e11 s.
+        if self.expected == "ms" and 1e9 <= value < 1e10:
             other = "Unix time in seconds"
         elif self.expected == "s" and value >= 1e11:
             other = "Unix time in milliseconds"

@@ -165,6 +165,11 @@ BAD_LINES = [
     (line(ids=[5, 1]), "hash id 1 follows 5 here but 0 earlier (ids must be prefix-chained)"),
     (line(ids=[1, 9]), "hash id 1 follows nothing (first block) here but 0 earlier "
                        "(ids must be prefix-chained)"),
+    (line(ids=[0, 0]), "hash id 0 follows 0 here but nothing (first block) earlier "
+                       "(ids must be prefix-chained)"),
+    (line(ids=[2**37, 1]), "hash id 1 follows 137438953472 here but 0 earlier "
+                           "(ids must be prefix-chained)"),
+    (line(ids=["x", 1]), "hash id 1 follows \"x\" here but 0 earlier (ids must be prefix-chained)"),
 ]
 
 
@@ -180,6 +185,21 @@ def test_reader_rejects_non_utf8(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_bytes(line().encode() + b'\n{"timestamp": "\xff"}\n')
     with pytest.raises(InputError, match=r":2: not UTF-8 text$"):
+        list(read_mooncake(path))
+
+
+def test_reader_chain_check_beyond_the_dense_table(tmp_path):
+    """Sparse ids (kept in a dict beside the dense table) are checked the same way, and the
+    table grows over ids the dict held."""
+    path = write(tmp_path, line(ids=[2**37, 7]), line(ids=[2**37, 7, 3], inp=1100),
+                 line(ids=[200_000, 2**37], inp=1000))
+    with pytest.raises(InputError, match=r":3: hash id 137438953472 follows 200000 here but "
+                       r"nothing \(first block\) earlier"):
+        list(read_mooncake(path))
+    dense = [line(ts=i + 1, ids=[i, i + 1], inp=1000) for i in range(0, 300_000, 50_000)]
+    path = write(tmp_path, line(ts=0, ids=[2**36, 70_000], inp=1000), *dense,
+                 line(ts=10**6, ids=[5, 70_000], inp=1000))
+    with pytest.raises(InputError, match=r":8: hash id 70000 follows 5 here but 68719476736 "):
         list(read_mooncake(path))
 
 

@@ -86,7 +86,7 @@ class MooncakeReader(HashIdReader):
                 prev_ts = ts
                 yield Request(
                     id=0, arrival_s=ts / 1000, input_length=input_length,
-                    output_length=output_length, hash_ids=np.array(dense, dtype=np.int64),
+                    output_length=output_length, hash_ids=dense,
                     trace_block_tokens=block)
                 continue
             sid = obj.get("session_id", ("line", lineno))
@@ -96,7 +96,7 @@ class MooncakeReader(HashIdReader):
             entry[0] += ts  # untimed: ts is the delay after the session's previous request
             entry[1].append((entry[0], order, Request(
                 id=0, arrival_s=0.0, input_length=input_length, output_length=output_length,
-                hash_ids=np.array(dense, dtype=np.int64), trace_block_tokens=block)))
+                hash_ids=dense, trace_block_tokens=block)))
             order += 1
         if sessions:
             yield from _place(list(sessions.values()), self.opts)
@@ -140,48 +140,100 @@ def _times_and_lengths(obj: dict, timed: bool, prev_ts: float) -> tuple[float, i
 
 
 class _Ids:
-    """Raw ids -> the ids requests carry (see the module docstring), with the chain check."""
+    """Raw ids -> the ids requests carry (see the module docstring), with the chain check.
 
-    __slots__ = ("parent_of", "remap", "fresh")
+    The cache identifies a trace prefix by (id, end), which is only sound if an id always
+    follows the same parent. Each id's parent is kept as parent + 2 (1 = first block, 0 = not
+    seen yet): in an int64 table indexed by id while ids are dense (a production trace has
+    tens of millions: a dict would take ~100 bytes each), in a dict beyond it."""
+
+    __slots__ = ("table", "parent_of", "remap", "fresh", "seen_ids")
 
     def __init__(self) -> None:
-        # The cache identifies a trace prefix by (id, end), which is only sound if an id always
-        # follows the same parent (None = first block).
-        self.parent_of: dict[int, int | None] = {}
+        self.table = np.zeros(1 << 16, dtype=np.int64)
+        self.parent_of: dict[int, int] = {}
         self.remap: dict = {}
         self.fresh = ChainedIds(start=IDENTITY_IDS).fresh
+        self.seen_ids = 0
 
-    def fresh_blocks(self, length: int, block: int) -> list[int]:
-        return [self.fresh() for _ in range(-(-length // block))]
+    def fresh_blocks(self, length: int, block: int) -> np.ndarray:
+        return np.array([self.fresh() for _ in range(-(-length // block))], dtype=np.int64)
 
-    def chain(self, raw, input_length: int, cover: Cover, lineno: int) -> list[int]:
+    def chain(self, raw, input_length: int, cover: Cover, lineno: int) -> np.ndarray:
         if type(raw) is not list:
             raise BadField(f"'hash_ids' must be a list of integers or strings, got {show(raw)}")
         tail = cover.check(len(raw), input_length, lineno)
-        parent_of, remap = self.parent_of, self.remap
+        remap = self.remap
         out = []
-        parent = raw_parent = None
         for h in raw:
             if type(h) is int and 0 <= h < IDENTITY_IDS:
-                dense = h
+                out.append(h)
             elif type(h) is int or type(h) is str:
                 dense = remap.get(h)
                 if dense is None:
                     dense = remap[h] = self.fresh()
+                out.append(dense)
             else:
                 raise BadField(f"'hash_ids' must hold integers or strings, got {show(h)}")
-            seen = parent_of.setdefault(dense, parent)
-            if seen != parent:
-                earlier = "nothing (first block)" if seen is None else (
-                    str(seen) if seen < IDENTITY_IDS else "another id")
-                raise BadField(
-                    f"hash id {show(h)} follows {_parent(raw_parent)} here but {earlier} "
-                    f"earlier (ids must be prefix-chained)")
-            out.append(dense)
-            parent, raw_parent = dense, h
         if tail:
             out.append(self.fresh())
-        return out
+        ids = np.array(out, dtype=np.int64)
+        if len(raw):
+            self._check_chain(ids[:len(raw)], raw)
+        return ids
+
+    def _check_chain(self, ids: np.ndarray, raw: list) -> None:
+        self.seen_ids += len(ids)
+        want = np.empty_like(ids)
+        want[0] = 1
+        want[1:] = ids[:-1] + 2
+        top = int(ids.max())
+        table = self.table
+        if top >= len(table) and top < IDENTITY_IDS and top < 4 * self.seen_ids + (1 << 20):
+            table = self._grow(top + 1)
+        if top < len(table):
+            before = table[ids]
+            table[ids] = np.where(before == 0, want, before)
+            # A conflict with an earlier line, or inside this one (the last write wins).
+            if not np.array_equal(table[ids], want):
+                self._raise_conflict(ids, want, before, raw)
+            return
+        before = np.array([table[d] if d < len(table) else self.parent_of.get(d, 0)
+                           for d in ids.tolist()], dtype=np.int64)
+        line: dict[int, int] = {}
+        for j, d in enumerate(ids.tolist()):
+            seen = line.get(d, int(before[j])) or int(want[j])
+            if seen != want[j]:
+                self._raise_conflict(ids, want, before, raw)
+            line[d] = seen
+        for d, w in line.items():
+            if d < len(table):
+                table[d] = w
+            else:
+                self.parent_of[d] = w
+
+    def _grow(self, need: int) -> np.ndarray:
+        table = np.zeros(max(2 * len(self.table), need), dtype=np.int64)
+        table[:len(self.table)] = self.table
+        for d in [d for d in self.parent_of if d < len(table)]:
+            table[d] = self.parent_of.pop(d)
+        self.table = table
+        return table
+
+    @staticmethod
+    def _raise_conflict(ids: np.ndarray, want: np.ndarray, before: np.ndarray, raw: list):
+        line: dict[int, int] = {}
+        for j, d in enumerate(ids.tolist()):
+            seen = line.get(d, int(before[j])) or int(want[j])
+            if seen != want[j]:
+                parent = None if seen == 1 else seen - 2
+                earlier = "nothing (first block)" if parent is None else (
+                    str(parent) if parent < IDENTITY_IDS else "another id")
+                raise BadField(
+                    f"hash id {show(raw[j])} follows {_parent(raw[j - 1] if j else None)} "
+                    f"here but {earlier} earlier (ids must be prefix-chained)")
+            line[d] = seen
+        raise AssertionError("a chain conflict that no id shows")
 
 
 def _parent(parent) -> str:

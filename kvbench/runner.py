@@ -393,9 +393,9 @@ def windowed_manager(wl: Workload, requests: list[Request], *,
 
 def _serve_blocks_bound(wl: Workload, cycle: LifeCycle, request: Request, length: int) -> int:
     """Blocks of `cycle` a serve run needs for `request` to run alone holding `length`
-    tokens (reserved ones included), given that the scheduler charges every pool a chunk's
-    blocks as for full attention (`grow_blocks`: every beam): the whole request without a
-    window or without chunked prefill, else, per beam, a chunk and two windows."""
+    tokens (reserved ones included; the scheduler charges each pool what a step draws there,
+    every beam's blocks): the whole request without a window or without chunked prefill,
+    else, per beam, a chunk and two windows."""
     tpb = wl.cache.tokens_per_block
     blocks = grow_blocks(tpb, request, 0, length)
     if cycle.window is None or not wl.scheduler.enable_chunked_prefill:

@@ -327,6 +327,31 @@ class KVCacheManager:
         positions) to `num_tokens` tokens (what a scheduler counts with)."""
         return grow_blocks(self.tpb, request, have, num_tokens, self.spec.cross_kv)
 
+    # Admission by pool: one here, one per life cycle in `WindowedCacheManager`, so that a
+    # scheduler budgets either alike (a step fits when it fits every pool).
+
+    def free_per_pool(self) -> list[int]:
+        """Free GPU blocks (empty or evictable) of each pool: one here."""
+        return [self.gpu.num_free]
+
+    def estimate_pools(self, request: Request, plan: AddPlan | None = None
+                       ) -> tuple[int, int, list[int]]:
+        """`estimate_add` with the draw per pool (one here)."""
+        reused, positions, draw = self.estimate_add(request, plan)
+        return reused, positions, [draw]
+
+    def add_need(self, request: Request, plan: AddPlan, draws: list[int], positions: int,
+                 num_tokens: int) -> list[int]:
+        """Per pool, the free GPU blocks that the batched add of `request`, just estimated
+        into `plan` (`estimate_pools`: its `draws`, its reuse spanning `positions` block
+        positions), and growing it to `num_tokens` tokens take: what the add keeps, then the
+        larger of the copy source it holds until phase 2 ends and the new blocks."""
+        return [draws[0] + max(plan.transient, self.grow_blocks(request, positions, num_tokens))]
+
+    def grow_need(self, request: Request, seq: Sequence, num_tokens: int) -> list[int]:
+        """Per pool, the free GPU blocks `resize(seq, num_tokens)` takes (`seq` of `request`)."""
+        return [self.grow_blocks(request, len(seq.blocks), num_tokens)]
+
     def commit(self, seq: Sequence, num_computed: int) -> None:
         """Record that the first `num_computed` tokens of `seq` hold their KV; full blocks
         among them become reusable by other sequences."""

@@ -38,7 +38,23 @@ class CacheManager(Protocol):
         allocations."""
 
     def estimate_add(self, request) -> tuple[int, int, int]:
-        """(reused tokens, of those from the host, blocks to allocate) an add would get."""
+        """(reused tokens, block positions they span, free GPU blocks the add keeps, the
+        most of any pool) of an add now."""
+
+    def estimate_pools(self, request, plan) -> tuple[int, int, list[int]]:
+        """`estimate_add` with the free GPU blocks the add keeps in each pool, entered in
+        the step's `AddPlan` (the scheduler's per-pool admission)."""
+
+    def free_per_pool(self) -> list[int]:
+        """Free GPU blocks (empty or evictable) of each pool."""
+
+    def add_need(self, request, plan, draws: list[int], positions: int,
+                 num_tokens: int) -> list[int]:
+        """Per pool, the free GPU blocks the add just estimated and its first step, to
+        `num_tokens`, take."""
+
+    def grow_need(self, request, seq, num_tokens: int) -> list[int]:
+        """Per pool, the free GPU blocks `resize(seq, num_tokens)` takes."""
 
     def add_sequence(self, request): ...
 

@@ -339,15 +339,8 @@ class WindowedCacheManager:
     def step_blocks(self, wseq: WindowedSequence, end: int) -> list[int]:
         """Per pool, the free GPU blocks `begin_step(wseq, end)` would take (new blocks,
         scratch slots included)."""
-        tpb, request = self.tpb, wseq.request
-        query = self._scratch_query(request, end)
-        need = []
-        for i, c in enumerate(self.cycles):
-            held = len(wseq.seqs[i].blocks)
-            new = grow_blocks(tpb, request, held, end)
-            scratch = self._scratch_count(i, held, query)
-            need.append(new - scratch + -(-scratch // c.num_layers))
-        return need
+        request = wseq.request
+        return [self._step_need(i, request, len(s.blocks), end) for i, s in enumerate(wseq.seqs)]
 
     def begin_step(self, wseq: WindowedSequence, end: int) -> bool:
         """Give `wseq` what a step computing tokens `[num_computed, end)` needs in every pool:
@@ -425,8 +418,9 @@ class WindowedCacheManager:
     # `commit(seq, n)` after it is `end_step`, returning scratch slots and releasing what the
     # next query (at `n`) does not read. Decode commits at block boundaries, so a decoding
     # request releases its out-of-window blocks up to tokens_per_block - 1 steps late.
-    # Admission is conservative: `gpu.num_free` is the tightest pool's, and `estimate_add`
-    # draws the most any pool would, against a need counted as for full attention.
+    # Admission is per pool (`free_per_pool`, `add_need`, `grow_need`): what a step draws
+    # from each pool, window-only reuse and scratch slots included, against that pool's free
+    # blocks.
 
     def resize(self, wseq: WindowedSequence, num_tokens: int) -> bool:
         """`begin_step` to `num_tokens` (nothing to do when already allocated)."""
@@ -481,6 +475,23 @@ class WindowedCacheManager:
         plan.transient = max(plan[i].transient for i in range(len(self.managers)))
         positions = len(matches[0][0]) + (matches[0][1] is not None)
         return reuse, positions, draws
+
+    def free_per_pool(self) -> list[int]:
+        """Free GPU blocks (empty or evictable) of each pool, by pool index."""
+        return [m.gpu.num_free for m in self.managers]
+
+    def add_need(self, request: Request, plan: AddPlan, draws: list[int], positions: int,
+                 num_tokens: int) -> list[int]:
+        """As `KVCacheManager.add_need`, per pool: pool i's draw (`estimate_pools`, its copy
+        source in `plan[i]`) and the first step's blocks there, what `begin_step` to
+        `num_tokens` takes (scratch slots for the blocks already out of window)."""
+        return [d + max(plan[i].transient, self._step_need(i, request, positions, num_tokens))
+                for i, d in enumerate(draws)]
+
+    def grow_need(self, request: Request, wseq: WindowedSequence, num_tokens: int
+                  ) -> list[int]:
+        """Per pool, the free GPU blocks `resize(wseq, num_tokens)` takes (`step_blocks`)."""
+        return self.step_blocks(wseq, num_tokens)
 
     def grow_blocks(self, request: Request, have: int, num_tokens: int) -> int:
         """As `KVCacheManager.grow_blocks` (block positions, and each extra beam's own ones
@@ -696,6 +707,14 @@ class WindowedCacheManager:
             return 0
         return max(0, c.first_needed(query, self.tpb) - held)
 
+    def _step_need(self, i: int, request: Request, held: int, end: int) -> int:
+        """Free blocks of pool `i` a step to `end` takes from a sequence of `request` spanning
+        `held` block positions: a block per new position (and beam), out-of-window ones
+        sharing scratch slots."""
+        scratch = self._scratch_count(i, held, self._scratch_query(request, end))
+        return (grow_blocks(self.tpb, request, held, end) - scratch
+                + -(-scratch // self.cycles[i].num_layers))
+
     def _release_below(self, wseq: WindowedSequence, i: int, first: int) -> None:
         low = wseq.low[i]
         if first > low:
@@ -715,19 +734,15 @@ class WindowedCacheManager:
 
 
 class _Pools:
-    """What a serve loop and its scheduler read of `KVCacheManager.gpu`, over all pools:
-    the tightest pool's free blocks (admission), slots in use, cached and empty summed
-    (timeline), and the run's peak of slots held at once."""
+    """What a serve loop reads of `KVCacheManager.gpu`, over all pools: slots in use, cached
+    and empty summed (timeline), and the run's peak of slots held at once (admission reads
+    each pool: `WindowedCacheManager.free_per_pool`)."""
 
     __slots__ = ("managers", "peak_in_use")
 
     def __init__(self, managers: list[KVCacheManager], peak: int) -> None:
         self.managers = managers
         self.peak_in_use = peak
-
-    @property
-    def num_free(self) -> int:
-        return min(m.gpu.num_free for m in self.managers)
 
     @property
     def num_in_use(self) -> int:

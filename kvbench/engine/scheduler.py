@@ -12,9 +12,14 @@ always fit: `max_batch_size <= max_num_tokens` is checked up front):
   shifts the chunk window, it does not shrink a chunk.
 - **Capacity.** A context chunk is scheduled when the free pool has blocks for it (empty or
   evictable cached ones), not for the whole request (as TensorRT-LLM's MAX_UTILIZATION policy);
-  when a running request later cannot get a block, the loop preempts the newest one.
+  when a running request later cannot get a block, the loop preempts the newest one. Blocks
+  are counted per pool (`free_per_pool`, `add_need`, `grow_need`): a model with sliding-window
+  layers has one pool per life cycle, and a chunk fits when every pool has what its step draws
+  there (a window pool claims only the reused blocks its window reads, and scratch slots for
+  new blocks already out of window), so a long full-attention reuse is not charged to a small
+  window pool.
 - **Reuse estimate before allocation.** A waiting request is costed with the reuse the prefix
-  index shows now (`KVCacheManager.estimate_add`), in tokens against the budget and in blocks
+  index shows now (`estimate_pools`), in tokens against the budget and in blocks
   against the free pool, after the claims of the requests admitted before it in the step: for
   the two-phase batched add the estimate is exact (partial copies and their sources, blocks
   several requests claim), so its steps compute what was budgeted. The sequential add onboards
@@ -153,8 +158,8 @@ class Scheduler:
         cache's free blocks."""
         budget = self.max_num_tokens - (num_gen if gen_tokens is None else gen_tokens)
         slots = self.max_batch_size - num_gen
-        free = cache.gpu.num_free
-        cross_free = cross.gpu.num_free if cross is not None else 0
+        free = cache.free_per_pool()
+        cross_free = cross.free_per_pool() if cross is not None else []
         plan: list[ContextWork] = []
         for r in prefilling:
             if slots <= 0 or budget <= 0:
@@ -164,11 +169,8 @@ class Scheduler:
             chunk, last = self._chunk(r.context_len - start, budget)
             if not chunk:
                 return plan
-            need = cache.grow_blocks(r.view, len(seq.blocks),
-                                     start + chunk + self.reserve_tokens)
-            if need > free:
+            if not _take(free, cache.grow_need(r.view, seq, start + chunk + self.reserve_tokens)):
                 return plan
-            free -= need
             budget -= chunk
             slots -= 1
             plan.append(ContextWork(r, False, start, chunk, last))
@@ -176,24 +178,22 @@ class Scheduler:
         claims, cross_claims = AddPlan(), AddPlan()
         while waiting and slots > 0 and budget > 0 and num_active < self.max_batch_size:
             r = waiting[0][1]
-            reused, blocks, draw = cache.estimate_add(r.view, claims)
+            reused, blocks, draws = cache.estimate_pools(r.view, claims)
             chunk, last = self._chunk(r.context_len - reused, budget)
             if not chunk:
                 break
-            need = draw + max(claims.transient, cache.grow_blocks(
-                r.view, blocks, reused + chunk + self.reserve_tokens))
-            if need > free:
+            need = cache.add_need(r.view, claims, draws, blocks,
+                                  reused + chunk + self.reserve_tokens)
+            if not _fits(need, free):
                 break
             enc = r.request.encoder if cross is not None else None
             if enc is not None:
-                _, enc_blocks, enc_draw = cross.estimate_add(enc, cross_claims)
-                enc_need = enc_draw + max(cross_claims.transient,
-                                          cross.grow_blocks(enc, enc_blocks, enc.input_length))
-                if enc_need > cross_free:
+                _, enc_blocks, enc_draws = cross.estimate_pools(enc, cross_claims)
+                if not _take(cross_free, cross.add_need(enc, cross_claims, enc_draws, enc_blocks,
+                                                        enc.input_length)):
                     break
-                cross_free -= enc_need
             heappop(waiting)
-            free -= need
+            _take(free, need)
             budget -= chunk
             slots -= 1
             num_active += 1
@@ -218,3 +218,17 @@ class Scheduler:
         if not self.chunked:
             return 0, False
         return budget // self.tpb * self.tpb, False
+
+
+def _fits(need: list[int], free: list[int]) -> bool:
+    """Whether every pool has its `need` of free blocks."""
+    return all(n <= f for n, f in zip(need, free))
+
+
+def _take(free: list[int], need: list[int]) -> bool:
+    """Take `need` from each pool's `free` if every pool has it; False (taking nothing) if not."""
+    if not _fits(need, free):
+        return False
+    for i, n in enumerate(need):
+        free[i] -= n
+    return True

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbench.cache.manager import AddPlan, CacheSpec
+from kvbench.cache.manager import AddPlan, CacheSpec, grow_blocks
 from kvbench.cache.windows import WindowedCacheManager, life_cycles
 from kvbench.config import ModelConfig, SchedulerConfig, load_workload
 from kvbench.engine.clock import PRESETS, StepClock
@@ -24,8 +24,9 @@ from kvbench.traffic.request import Request
 CLOCK = StepClock(ModelConfig(), PRESETS["H100-SXM"])
 
 
-def _req(rid: int, arrival: float, tokens: list[int], out: int) -> Request:
-    return Request(rid, arrival, len(tokens), out, tokens=np.asarray(tokens, dtype=np.int64))
+def _req(rid: int, arrival: float, tokens: list[int], out: int, width: int = 1) -> Request:
+    return Request(rid, arrival, len(tokens), out, tokens=np.asarray(tokens, dtype=np.int64),
+                   beam_width=width)
 
 
 class Audited(WindowedCacheManager):
@@ -145,13 +146,17 @@ def test_scratch_slots_count_as_slots_in_admission():
 
 # --- properties over random window mixes, pool sizes and chunk sizes ------------------------
 
-def _floor(window: int | None, tpb: int, length: int, mnt: int) -> int:
-    """What one request needs of a pool to run alone (the runner's serve floor), plus the
-    copy source a partial copy holds during its add."""
-    blocks = -(-length // tpb)
-    if window is not None:
-        blocks = min(blocks, -(-mnt // tpb) + 1 + 2 * (-(-(window - 1) // tpb) + 2))
-    return blocks + 1
+def _floor(window: int | None, tpb: int, requests: list[Request], mnt: int) -> int:
+    """What the largest request needs of a pool to run alone (the runner's serve floor),
+    plus the copy source a partial copy holds during its add."""
+    most = 0
+    for r in requests:
+        blocks = grow_blocks(tpb, r, 0, r.input_length + r.output_length - 1)
+        if window is not None:
+            per_beam = -(-mnt // tpb) + 1 + 2 * (-(-(window - 1) // tpb) + 2)
+            blocks = min(blocks, r.beam_width * per_beam)
+        most = max(most, blocks)
+    return most + 1
 
 
 @settings(max_examples=40, deadline=None, derandomize=True,
@@ -160,9 +165,9 @@ def _floor(window: int | None, tpb: int, length: int, mnt: int) -> int:
        windows=st.lists(st.sampled_from([1, 2, 3, 5, 8, 13, None]), min_size=1, max_size=5),
        tpb=st.sampled_from([2, 4, 8]), mnt=st.sampled_from([8, 16, 24, 40]),
        extra=st.integers(0, 30), scratch=st.booleans(), host=st.sampled_from([0, 6]),
-       batch=st.booleans())
+       batch=st.booleans(), beams=st.booleans())
 def test_windowed_serve_admission_properties(seed, windows, tpb, mnt, extra, scratch, host,
-                                             batch):
+                                             batch, beams):
     rng = random.Random(seed)
     cycles = life_cycles(windows)
     base = [rng.randrange(5) for _ in range(40)]
@@ -170,9 +175,9 @@ def test_windowed_serve_admission_properties(seed, windows, tpb, mnt, extra, scr
     for i in range(16):
         t += rng.expovariate(300.0)
         tokens = base[:rng.randint(0, 40)] + [rng.randrange(7) for _ in range(rng.randint(1, 30))]
-        requests.append(_req(i, t, tokens, rng.randint(1, 12)))
-    length = max(r.input_length + r.output_length - 1 for r in requests)
-    m = Audited(cycles, [CacheSpec(tpb, _floor(c.window, tpb, length, mnt)
+        requests.append(_req(i, t, tokens, rng.randint(1, 12),
+                             rng.choice([1, 2, 3]) if beams else 1))
+    m = Audited(cycles, [CacheSpec(tpb, _floor(c.window, tpb, requests, mnt)
                                    + rng.randint(0, extra),
                                    num_host_blocks=host,
                                    enable_partial_reuse=rng.random() < 0.7,
@@ -181,7 +186,8 @@ def test_windowed_serve_admission_properties(seed, windows, tpb, mnt, extra, scr
                 swa_scratch_reuse=scratch)
     m.enable_sanity_tracking()
     m.enable_audit()
-    cfg = SchedulerConfig(max_num_tokens=mnt, max_batch_size=4)
+    # Decoders always fit the budget: a request decodes one token per beam.
+    cfg = SchedulerConfig(max_num_tokens=mnt, max_batch_size=mnt // 3 if beams else 4)
     # Every request fits alone (the floors), so the loop must never stall; each step's
     # draw stays within what the scheduler counted per pool (`Audited`), and every pool's
     # invariants hold after it.

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvbench.cache.manager import NO_BLOCK, CacheSpec, Sequence
+from kvbench.cache.manager import NO_BLOCK, AddPlan, CacheSpec, Sequence
 from kvbench.cache.windows import WindowedCacheManager, life_cycles, prefill_blocks_bound
 from kvbench.config import ModelConfig, SchedulerConfig
 from kvbench.engine.clock import PRESETS, StepClock
@@ -157,17 +157,18 @@ def frees(m):
 def test_each_pools_estimate_equals_what_the_add_and_step_take(prompts, data):
     """One request at a time, with beams, windows, scratch and a host tier: each pool gives up
     exactly its `estimate_pools` draw to the add and its `step_blocks` to the first step;
-    the reuse is the estimate's; the scheduler's count (`estimate_add` + `grow_blocks`, as for
-    full attention) covers every pool's."""
+    the reuse is the estimate's; the scheduler's count (`add_need`, per pool) covers what
+    each pool gives up."""
     m = draw_setup(data)
     live = []
     for tokens in prompts:
         r = req(tokens, width=data.draw(st.integers(1, 4)))
         end = r.input_length + data.draw(st.integers(0, 4))
-        reuse, positions, draws = m.estimate_pools(r)
-        sched = max(draws) + m.grow_blocks(r, positions, end)
-        assume(sched <= m.gpu.num_free)
+        plan = AddPlan()
+        reuse, positions, draws = m.estimate_pools(r, plan)
+        sched = m.add_need(r, plan, draws, positions, end)
         before = frees(m)
+        assume(all(n <= f for n, f in zip(sched, before)))
         seq = m.add_sequence(r)
         assert seq.reused_tokens == reuse and m.reuse_fallbacks == 0
         added = frees(m)
@@ -175,7 +176,7 @@ def test_each_pools_estimate_equals_what_the_add_and_step_take(prompts, data):
         steps = m.step_blocks(seq, end)
         assert m.begin_step(seq, end)
         taken = [b - a for b, a in zip(added, frees(m))]
-        assert taken == steps and all(d + t <= sched for d, t in zip(draws, taken))
+        assert taken == steps and all(d + t <= n for d, t, n in zip(draws, taken, sched))
         assert m._check_sanity()
         check_beams(m, seq)
         m.end_step(seq)
@@ -229,7 +230,10 @@ def test_random_operations_on_windowed_beams_keep_invariants(prompts, data):
     live = []
     for tokens in prompts:
         r = req(tokens, width=data.draw(st.integers(1, 3)))
-        if m.estimate_add(r)[2] + m.grow_blocks(r, 0, r.input_length) <= m.gpu.num_free:
+        plan = AddPlan()
+        _, positions, draws = m.estimate_pools(r, plan)
+        if all(n <= f for n, f in zip(m.add_need(r, plan, draws, positions, r.input_length),
+                                      frees(m))):
             live.append(m.add_sequence(r))
             assert m._check_sanity()
         for seq in list(live):

@@ -213,6 +213,8 @@ def test_batched_estimates_equal_what_the_batch_takes(data):
     assert [b - a for b, a in zip(before, added)] == [sum(e[2][i] for e in estimates)
                                                       for i in range(len(before))]
     steps = [m.step_blocks(s, s.request.input_length + 2) for s in seqs]
+    # Small pools and four beams may not hold every chunk: only a batch that fits is exact.
+    assume(all(sum(st_[i] for st_ in steps) <= f for i, f in enumerate(added)))
     for s in seqs:
         assert m.begin_step(s, s.request.input_length + 2)
     assert [b - a for b, a in zip(added, frees(m))] == [sum(st_[i] for st_ in steps)

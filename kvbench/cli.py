@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from . import __version__
 from .errors import InputError, RegressionFound, TraceWarning
 
 app = typer.Typer(
@@ -25,17 +27,54 @@ app.add_typer(trace_app, name="trace")
 out = Console()
 err = Console(stderr=True)
 
+_type_shown = typer.core.TyperOption.display_type_rich
+
+
+def _no_flag_type(self, ctx):
+    # A flag takes no value, so its type (`<bool>`) is noise in the help.
+    return None if self.is_flag else _type_shown(self, ctx)
+
+
+typer.core.TyperOption.display_type_rich = _no_flag_type
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"kvbench {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the version and exit.",
+    )] = False,
+) -> None:
+    """Benchmark and tune paged KV caches for LLM serving on real traffic."""
+
+
 SetOption = Annotated[
     Optional[list[str]],
-    typer.Option("--set", help="Override a key: dotted.key=value (YAML-typed; repeatable)."),
+    typer.Option("--set", metavar="KEY=VALUE",
+                 help="Override a key: dotted.key=value (YAML-typed; repeatable)."),
 ]
-JsonOption = Annotated[Optional[Path], typer.Option("--json", help="Write the result JSON here.")]
+JsonOption = Annotated[Optional[Path], typer.Option(
+    "--json", metavar="FILE", help="Write the result JSON here (- = standard output).")]
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar, no tables.")]
 
 
-@app.command()
+def _example(*lines: str) -> str:
+    # \b keeps click from rewrapping the lines.
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+@app.command(epilog=_example(
+    "kvbench run workloads/quickstart.yaml",
+    "kvbench run workloads/ci/*.yaml --json out.json --quiet",
+    "kvbench run workloads/quickstart.yaml --set cache.tokens_per_block=16 --repeat 3"))
 def run(
-    workloads: Annotated[list[Path], typer.Argument(help="Workload YAML file(s); several form a suite.")],
+    workloads: Annotated[list[Path], typer.Argument(
+        metavar="WORKLOAD...", help="Workload YAML file(s); several form a suite.")],
     set_: SetOption = None,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
@@ -43,7 +82,7 @@ def run(
         "--repeat", min=1, help="Run each workload N times; compare merges repeats by the median.",
     )] = 1,
     update_baseline: Annotated[Optional[Path], typer.Option(
-        "--update-baseline",
+        "--update-baseline", metavar="FILE",
         help="Update this baseline (for kvbench compare): the workloads run replace theirs, "
              "its other workloads are kept.",
     )] = None,
@@ -54,12 +93,24 @@ def run(
 ) -> None:
     """Replay a workload's requests through the cache and report reuse, memory and traffic."""
     from .config import load_workload
+    from .outfile import output_file
     from .report.tables import print_metrics
-    from .results import build_result, check_unique_names, write_json_atomic
+    from .results import build_result, check_unique_names
     from .runner import run_workload
 
+    # Every output is checked before the run, so a long run never fails at its end.
+    json_out = output_file(json_path, "--json") if json_path is not None else None
+    baseline_out = (output_file(update_baseline, "--update-baseline")
+                    if update_baseline is not None else None)
+    if baseline_out is not None and not replace and baseline_out.target.exists():
+        from .results import read_result
+
+        read_result(update_baseline)  # it is merged into: an unreadable one fails now
     loaded = [load_workload(p, set_ or ()) for p in workloads]
     check_unique_names([(wl.name, str(p)) for wl, p in zip(loaded, workloads)])
+    tables = err if json_out is not None and json_out.is_stdout else out
+    for wl in loaded:
+        _warn(wl)
     per_workload = []
     for wl in loaded:
         show = not quiet and wl.run.progress
@@ -74,36 +125,58 @@ def run(
             outcomes = [o for _ in range(repeat) for o in run_workload(wl, factory)]
         per_workload.append(outcomes)
         if not quiet:
-            print_metrics(out, wl.name, [(o.variant, o.metrics) for o in outcomes])
+            print_metrics(tables, wl.name, [(o.variant, o.metrics) for o in outcomes],
+                          wl.variant_differences(), bool(set_))
     result = build_result(per_workload)
-    if json_path is not None:
-        write_json_atomic(json_path, result)
-        if not quiet:
+    if json_out is not None:
+        json_out.write_text(_json_text(result))
+        if not quiet and not json_out.is_stdout:
             err.print(f"wrote {json_path}")
-    if update_baseline is not None:
+    if baseline_out is not None:
         from .results import updated_baseline
 
         baseline, kept = updated_baseline(update_baseline, result, replace=replace)
-        write_json_atomic(update_baseline, baseline)
+        baseline_out.write_text(_json_text(baseline))
         if not quiet:
             also = (f"; kept {', '.join(kept)} from it (--replace drops them)" if kept else "")
             err.print(f"updated baseline {update_baseline}{also}")
 
 
-@app.command()
+def _warn(workload) -> None:
+    from .runner import workload_warnings
+
+    for warning in workload_warnings(workload):
+        err.print(f"kvbench: warning: {warning}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _json_text(data: dict) -> str:
+    return json.dumps(data, indent=1, allow_nan=False) + "\n"
+
+
+@app.command(epilog=_example(
+    "kvbench validate workloads/*.yaml",
+    "kvbench validate workloads/quickstart.yaml --set cache.max_tokens=4096"))
 def validate(
-    workload: Annotated[Path, typer.Argument(help="Workload YAML file.")],
+    workloads: Annotated[list[Path], typer.Argument(
+        metavar="WORKLOAD...", help="Workload YAML file(s).")],
     set_: SetOption = None,
 ) -> None:
-    """Check a workload file (and its variants) without running it."""
+    """Check workload files (and their variants) as a run would, without running them: the
+    requests are loaded (a trace read through) and every cache sized."""
     from .config import load_workload
+    from .runner import check_workload
 
-    wl = load_workload(workload, set_ or ())
-    names = ", ".join(name for name, _ in wl.variant_workloads())
-    out.print(f"{workload}: ok ({wl.run.mode} mode; variants: {names})")
+    for path in workloads:
+        wl = load_workload(path, set_ or ())
+        _warn(wl)
+        check_workload(wl)
+        names = ", ".join(name for name, _ in wl.variant_workloads())
+        out.print(f"{path}: ok ({wl.run.mode} mode; variants: {names})", highlight=False,
+                  markup=False, soft_wrap=True)
 
 
-@app.command()
+@app.command(epilog=_example("kvbench schema > workload.schema.json",
+                             "kvbench schema --result > result.schema.json"))
 def schema(
     result: Annotated[bool, typer.Option(
         "--result", help="The schema of result JSON files instead (every metric described).",
@@ -121,7 +194,9 @@ def schema(
     sys.stdout.write(json.dumps(doc, indent=2) + "\n")
 
 
-@app.command()
+@app.command(epilog=_example(
+    "kvbench tune workloads/tune-chat.yaml --trials 40 --workers 2",
+    "kvbench tune workloads/tune-chat.yaml --export-best best.yaml --plots tune-plots/"))
 def tune(
     workload: Annotated[Path, typer.Argument(help="Workload YAML with a tune: section.")],
     trials: Annotated[Optional[int], typer.Option(
@@ -139,10 +214,12 @@ def tune(
         "--workers", "-j", min=1, help="Worker processes on this machine, sharing the storage.",
     )] = 1,
     export_best: Annotated[Optional[Path], typer.Option(
-        "--export-best", help="Write the best trial (primary objective) as a workload YAML.",
+        "--export-best", metavar="FILE",
+        help="Write the best trial (primary objective) as a workload YAML (- = standard output).",
     )] = None,
     plots: Annotated[Optional[Path], typer.Option(
-        "--plots", help="Write Pareto front and optimization history PNGs into this folder.",
+        "--plots", metavar="FOLDER",
+        help="Write Pareto front and optimization history PNGs into this folder.",
     )] = None,
     heartbeat: Annotated[int, typer.Option(
         "--heartbeat", min=1, metavar="SECONDS",
@@ -157,9 +234,14 @@ def tune(
     quiet: QuietOption = False,
 ) -> None:
     """Search cache and scheduler knobs with Optuna; show the Pareto front."""
+    from .outfile import output_dir, output_file
     from .tune import TuneJob
     from .tune.view import tune_command
 
+    if export_best is not None:
+        output_file(export_best, "--export-best")
+    if plots is not None:
+        output_dir(plots, "--plots")
     job = TuneJob(str(workload), tuple(set_ or ()), trials, storage, study, heartbeat, holdout)
     code = tune_command(job, workers=workers, export_best=export_best, plots=plots, quiet=quiet,
                         out=out, err=err)
@@ -167,12 +249,16 @@ def tune(
         raise typer.Exit(code)
 
 
-@app.command()
+@app.command(epilog=_example(
+    "kvbench compare results/baseline-cpu.json out.json",
+    "kvbench compare results/baseline-cpu.json out.json --all --markdown summary.md"))
 def compare(
     base: Annotated[Path, typer.Argument(help="Baseline result JSON.")],
     new: Annotated[Path, typer.Argument(help="Current result JSON (same workloads and variants).")],
     markdown: Annotated[Optional[Path], typer.Option(
-        "--markdown", help="Also write a Markdown summary here (CI job summary, PR comment).",
+        "--markdown", metavar="FILE",
+        help="Also write a Markdown summary here (CI job summary, PR comment; - = standard "
+             "output).",
     )] = None,
     timing_tolerance: Annotated[float, typer.Option(
         "--timing-tolerance", min=0,
@@ -185,50 +271,60 @@ def compare(
 ) -> None:
     """Compare a result with a baseline: exit 3 if a metric regressed, 2 if not comparable."""
     from .compare import compare_files, print_comparison, to_markdown
+    from .outfile import output_file
 
+    markdown_out = output_file(markdown, "--markdown") if markdown is not None else None
     comparison = compare_files(base, new, timing_tolerance=timing_tolerance / 100)
-    if markdown is not None:
-        markdown.parent.mkdir(parents=True, exist_ok=True)
-        markdown.write_text(to_markdown(comparison))
+    if markdown_out is not None:
+        markdown_out.write_text(to_markdown(comparison))
     if not quiet:
         print_comparison(out, comparison, show_all=show_all)
     if comparison.failures:
         raise RegressionFound(comparison.failure_line())
 
 
-@app.command()
+@app.command(epilog=_example(
+    "kvbench report out.json", "kvbench report out.json --out report/"))
 def report(
     result: Annotated[Path, typer.Argument(help="Result JSON (kvbench run --json).")],
     out_dir: Annotated[Optional[Path], typer.Option(
-        "--out", help="Output folder (default: RESULT-report beside the result).",
+        "--out", metavar="FOLDER", help="Output folder (default: RESULT-report beside the result).",
     )] = None,
     quiet: QuietOption = False,
 ) -> None:
     """Write PNG plots of a result and an index.html / index.md page with its tables."""
+    from .outfile import output_dir
     from .report.page import write_report
     from .results import read_result
 
-    target = out_dir or result.with_name(result.stem + "-report")
-    written = write_report(read_result(result), target)
+    target = output_dir(out_dir or result.with_name(result.stem + "-report"), "--out")
+    written = write_report(read_result(result), target, source=str(result))
     if not quiet:
         err.print(f"wrote {len(written)} files; open {target / 'index.html'}")
 
 
-@app.command()
+@app.command(epilog=_example(
+    "kvbench calibrate workloads/quickstart.yaml",
+    "kvbench calibrate workloads/quickstart.yaml --out profiles/h100-quickstart.yaml"))
 def calibrate(
     workload: Annotated[Path, typer.Argument(
         help="Workload YAML whose model shape (model:, cache.tokens_per_block, "
              "scheduler.max_batch_size) to measure; --set model.* measures another.")],
     out_path: Annotated[Optional[Path], typer.Option(
-        "--out", help="Profile YAML to write (default: profiles/<gpu>-<workload>.yaml).",
+        "--out", metavar="FILE",
+        help="Profile YAML to write (default: profiles/<gpu>-<workload>.yaml; - = standard "
+             "output).",
     )] = None,
     set_: SetOption = None,
     quiet: QuietOption = False,
 ) -> None:
     """Measure this CUDA GPU for a model shape and write a hardware profile (hardware.profile)."""
     from .config import load_workload
-    from .results import write_text_atomic
+    from .outfile import output_file
 
+    # A given --out is checked before minutes of measuring (the default one is named after
+    # the GPU measured, so it is checked when known).
+    target = output_file(out_path, "--out") if out_path is not None else None
     wl = load_workload(workload, set_ or ())
     import torch
 
@@ -244,11 +340,12 @@ def calibrate(
     log = (lambda line: None) if quiet else (lambda line: err.print(line, highlight=False))
     profile = measure(wl.model, wl.cache.tokens_per_block, wl.scheduler.max_batch_size,
                       seed=wl.run.seed, log=log)
-    if out_path is None:
+    if target is None:
         gpu = "".join(c if c.isalnum() else "-" for c in profile.device.lower()).strip("-")
         out_path = Path("profiles") / f"{gpu}-{wl.name}.yaml"
-    write_text_atomic(out_path, profile.to_yaml())
-    if not quiet:
+        target = output_file(out_path, "--out")
+    target.write_text(profile.to_yaml())
+    if not quiet and not target.is_stdout:
         err.print(f"wrote {out_path}")
 
 
@@ -290,7 +387,9 @@ def _open_trace(trace: Path, fmt: str, block_tokens: Optional[int], cover: Optio
                                                sessions=start))
 
 
-@trace_app.command("stats")
+@trace_app.command("stats", epilog=_example(
+    "kvbench trace stats traces/conversation.jsonl",
+    "kvbench trace stats traces/conversation.jsonl --json - | jq .ideal_hit_rate"))
 def trace_stats_cmd(
     trace: Annotated[Path, typer.Argument(help="Trace file (a folder for weka).")],
     json_path: JsonOption = None,
@@ -303,13 +402,16 @@ def trace_stats_cmd(
     percentiles, ideal hit rate by block size (below the native block size: not resolvable)."""
     from rich.table import Table
 
-    from .results import write_json_atomic
+    from .outfile import output_file
     from .traffic import trace_stats
 
+    json_out = output_file(json_path, "--json") if json_path is not None else None
     reader = _open_trace(trace, fmt, block_tokens, cover, sessions)
     stats = trace_stats(list(reader), reader=reader)
-    if json_path is not None:
-        write_json_atomic(json_path, stats)
+    if json_out is not None:
+        json_out.write_text(_json_text(stats))
+        if json_out.is_stdout:
+            return
     table = Table(title=f"{trace.name}", title_justify="left")
     table.add_column("statistic")
     table.add_column("value", justify="right")
@@ -340,10 +442,12 @@ def trace_stats_cmd(
     out.print(table)
 
 
-@trace_app.command("convert")
+@trace_app.command("convert", epilog=_example(
+    "kvbench trace convert traces/bailian.jsonl mooncake.jsonl",
+    "kvbench trace convert traces/conversation.jsonl tokens.jsonl --to token_ids"))
 def trace_convert_cmd(
     trace: Annotated[Path, typer.Argument(help="Trace to read (a folder for weka).")],
-    output: Annotated[Path, typer.Argument(help="JSONL file to write.")],
+    output: Annotated[Path, typer.Argument(help="JSONL file to write (- = standard output).")],
     to: Annotated[str, typer.Option("--to", help="mooncake (hash ids) or token_ids.")] = "mooncake",
     fmt: FormatOption = "auto",
     block_tokens: BlockTokensOption = None,
@@ -358,17 +462,19 @@ def trace_convert_cmd(
     quiet: QuietOption = False,
 ) -> None:
     """Convert a trace to Mooncake JSONL at its own block size (or to token-id JSONL)."""
+    from .outfile import output_file
     from .traffic.convert import convert, tile as tile_trace
 
+    target = output_file(output, "trace convert OUTPUT")
     if tile is not None:
         if to != "mooncake":
             raise InputError("--tile: writes Mooncake JSONL only (--to mooncake)")
         n, block = tile_trace(
-            lambda: _open_trace(trace, fmt, block_tokens, cover, sessions), output, tile)
+            lambda: _open_trace(trace, fmt, block_tokens, cover, sessions), target, tile)
     else:
-        n, block = convert(_open_trace(trace, fmt, block_tokens, cover, sessions), output, to,
+        n, block = convert(_open_trace(trace, fmt, block_tokens, cover, sessions), target, to,
                            out_block_tokens)
-    if not quiet:
+    if not quiet and not target.is_stdout:
         how = (f"requests.format: mooncake, requests.block_tokens: {block}" if to == "mooncake"
                else "requests.format: token_ids")
         err.print(f"wrote {n:,} requests to {output}; read it with {how}", highlight=False)
@@ -389,6 +495,9 @@ class _progress:
         self.bar.start()
 
         def factory(description: str, total: int):
+            # A new phase replaces the finished one, so the bar always names what runs now.
+            for task in self.bar.tasks:
+                self.bar.remove_task(task.id)
             task = self.bar.add_task(description, total=total)
             return lambda n: self.bar.advance(task, n)
 
@@ -409,14 +518,27 @@ def _show_trace_warning(message, category, filename, lineno, file=None, line=Non
 _default_showwarning = warnings.showwarning
 
 
+def _one_line(message: str) -> str:
+    """A message echoing user input (a --set value, a file name) stays one line: control
+    characters are shown escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
 def main() -> None:
     """Entry point: exit 0 ok, 1 runtime failure, 2 bad input, 3 regression found."""
     warnings.simplefilter("always", TraceWarning)
     warnings.showwarning = _show_trace_warning
     try:
         app()  # usage errors exit 2 inside, as Click does
+    except SystemExit as exc:
+        # Click turns Ctrl-C into a silent exit 130; say why the run stopped.
+        if exc.code == 130 and isinstance(getattr(exc.__context__, "__cause__", None),
+                                          KeyboardInterrupt):
+            err.print("kvbench: interrupted")
+        raise
     except InputError as exc:
-        err.print(f"kvbench: error: {exc}", highlight=False, markup=False, soft_wrap=True)
+        err.print(f"kvbench: error: {_one_line(str(exc))}", highlight=False, markup=False,
+                  soft_wrap=True)
         sys.exit(2)
     except RegressionFound as exc:
         err.print(f"kvbench: {exc}", highlight=False, markup=False, soft_wrap=True)

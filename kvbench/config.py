@@ -35,8 +35,9 @@ from kvbench.metrics import DEFAULT_OBJECTIVES, direction
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1}
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads `1e15` and `3.35e12` as floats: YAML 1.1 wants `1.0e+15`, and
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """SafeLoader (libyaml's when PyYAML has it: a 64 KiB file parses in a fraction of a
+    second) that also reads `1e15` and `3.35e12` as floats: YAML 1.1 wants `1.0e+15`, and
     strict validation would reject the string that plain PyYAML makes of them."""
 
 
@@ -45,6 +46,72 @@ _Loader.add_implicit_resolver(
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
     list("-+.0123456789"),
 )
+
+MAX_WORKLOAD_BYTES = 64 * 1024
+"""Workload files are settings, not data (traces are read from `requests.path`): a bigger file
+is refused before it is parsed, which bounds the time and memory of parsing it."""
+
+MAX_YAML_DEPTH = 32
+"""Nesting a workload file may use (a workload needs about 5 levels)."""
+
+MAX_YAML_NODES = 100_000
+"""Nodes of the document with every alias expanded. Aliases share what they point to, so a
+few hundred bytes can stand for billions of nodes (an alias bomb); everything after parsing
+walks the expanded values, so their number is bounded before anything does."""
+
+
+class _YamlLimit(Exception):
+    """A document past a parsing bound: where, and which bound."""
+
+    def __init__(self, mark, message: str) -> None:
+        super().__init__(message)
+        self.mark = mark
+
+
+def _check_bounds(root: yaml.Node) -> None:
+    """Refuse (`_YamlLimit`) a composed document whose nesting passes MAX_YAML_DEPTH, whose
+    aliases expand it past MAX_YAML_NODES, or that contains itself. Aliases are one shared node
+    in the composed graph, so a post-order walk with sizes memoized per node is linear in the
+    text, however far the aliases would expand."""
+    size: dict[int, int] = {}
+    height: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        children = _children(node)
+        if finished:
+            on_path.discard(key)
+            size[key] = 1 + sum(size[id(c)] for c in children)
+            height[key] = 1 + max((height[id(c)] for c in children), default=0)
+            if size[key] > MAX_YAML_NODES:
+                raise _YamlLimit(node.start_mark, f"aliases expand the document past "
+                                 f"{MAX_YAML_NODES:,} values (an alias bomb?)")
+            continue
+        if key in size:
+            continue
+        on_path.add(key)
+        stack.append((node, True))
+        for child in children:
+            if id(child) in on_path:
+                raise _YamlLimit(node.start_mark, "an alias here refers to a node that "
+                                 "contains it")
+            if id(child) not in size:
+                stack.append((child, False))
+    if height[id(root)] > MAX_YAML_DEPTH:
+        node = root
+        for _ in range(MAX_YAML_DEPTH):
+            node = max(_children(node), key=lambda c: height[id(c)])
+        raise _YamlLimit(node.start_mark, f"nested deeper than {MAX_YAML_DEPTH} levels")
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return node.value
+    return []
 
 
 class _BadKey(ValueError):
@@ -62,9 +129,14 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _is_positive_int(value: Any) -> bool:
+MAX_WINDOW = 2**31 - 1
+"""Largest attention window: TensorRT-LLM's max_attention_window is an int32; a longer window
+is full attention anyway."""
+
+
+def _is_positive_int(value: Any, limit: int = MAX_WINDOW) -> bool:
     # bool is an int subclass, and `true` must not silently mean a window of 1.
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= limit
 
 
 def _require_number(value: Any) -> Any:
@@ -76,6 +148,11 @@ def _require_number(value: Any) -> Any:
 
 
 Number = Annotated[Union[int, float], BeforeValidator(_require_number)]
+
+
+def _off_is_false(value: Any) -> Any:
+    # YAML 1.1 reads a bare `off` (and `no`) as false; `verify: off` means the word.
+    return "off" if value is False else value
 
 
 class _Section(BaseModel):
@@ -130,9 +207,19 @@ class ModelConfig(_Section):
             if all(w is None or _is_positive_int(w) for w in value):
                 return value
         raise ValueError(
-            "expected a positive integer, null, or a non-empty list of positive integers and nulls"
+            f"expected a positive integer up to {MAX_WINDOW}, null, or a non-empty list of them"
             f" (got {_show(value)})"
         )
+
+    @field_validator("attention_window")
+    @classmethod
+    def _window_list_fits(cls, value: Any, info: ValidationInfo) -> Any:
+        layers = info.data.get("num_layers")
+        if isinstance(value, list) and layers is not None and len(value) > layers:
+            raise ValueError(
+                f"expected at most model.num_layers={layers} entries (a list repeats over the"
+                f" layers; got {len(value)})")
+        return value
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
@@ -377,7 +464,12 @@ class SyntheticConfig(_Section):
         1024, ge=0, description="Shared system prompt length in tokens."
     )
     prompt_tokens: int = Field(
-        256, gt=0, description="Mean new user tokens per request (or turn)."
+        256, gt=0, description="Mean new user tokens per request: the question (shared_prefix)"
+        " or the user message of a turn (multi_turn)."
+    )
+    profile_tokens: int | None = Field(
+        None, ge=0, description="shared_prefix: tokens of each user's fixed profile between the"
+        " system prompt and the question; null = prompt_tokens."
     )
     prompt_tokens_spread: float = Field(
         0.5, ge=0, le=1, description="Uniform +-spread of prompt_tokens, as a fraction of the mean."
@@ -572,8 +664,9 @@ class RunConfig(_Section):
         "none", description="Attention data plane; none = metadata only."
     )
     seed: int = Field(0, description="Random seed.")
-    verify: Literal["all", "sample", "off"] = Field(
-        "all", description="Which attention outputs the verifier checks."
+    verify: Annotated[Literal["all", "sample", "off"], BeforeValidator(_off_is_false)] = Field(
+        "all", description="Which attention outputs the verifier checks (YAML's bare off, read"
+        " as false, means off)."
     )
     clock: Literal["modeled", "measured"] = Field(
         "modeled",
@@ -848,6 +941,20 @@ class Workload(_Section):
             result.append((variant.name, workload))
         return result
 
+    def variant_differences(self) -> dict[str, list[str]]:
+        """Per variant, `key=value` for every resolved setting in which the variants differ
+        (the leaf key when it names one setting, else the dotted key)."""
+        runs = self.variant_workloads()
+        if len(runs) < 2:
+            return {}
+        flat = [(name, _flatten(w.resolved_dict())) for name, w in runs]
+        keys = dict.fromkeys(k for _, f in flat for k in f)
+        differing = [k for k in keys if len({json.dumps(f.get(k)) for _, f in flat}) > 1]
+        leaves = [k.rsplit(".", 1)[-1] for k in differing]
+        shown = [leaf if leaves.count(leaf) == 1 else k for k, leaf in zip(differing, leaves)]
+        return {name: [f"{label}={json.dumps(f.get(k))}" for k, label in zip(differing, shown)]
+                for name, f in flat}
+
     def _variant_error(self, index: int, detail: str) -> str:
         location, _ = self._origin.locate(("variants", index))
         prefix = f"{location}: " if location else ""
@@ -856,6 +963,16 @@ class Workload(_Section):
     def resolved_dict(self) -> dict:
         """The effective configuration for the result JSON (no variants, no tune)."""
         return self.model_dump(mode="json", exclude={"variants", "tune"})
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
 
 
 def workload_json_schema() -> dict:
@@ -878,7 +995,18 @@ def parse_set(item: str) -> tuple[str, Any]:
     if not sep or not key:
         raise InputError(f"--set {item}: expected dotted.key=value")
     try:
-        value = yaml.load(text, Loader=_Loader)
+        loader = _Loader(text)
+        try:
+            node = loader.get_single_node()
+            if node is not None:
+                _check_bounds(node)
+            value = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.reader.ReaderError as exc:
+        raise InputError(f"--set {key}: {_unprintable(exc)}") from None
+    except _YamlLimit as exc:
+        raise InputError(f"--set {key}: {exc}") from None
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or _one_line(exc)
         raise InputError(f"--set {item}: YAML syntax error in value: {problem}") from None
@@ -929,7 +1057,15 @@ def load_workload(path: str | Path, sets: Sequence[str] = ()) -> Workload:
     except UnicodeDecodeError as exc:
         reason = f"not UTF-8 text ({exc.reason} at byte {exc.start})"
         raise InputError(f"{path}: cannot read: {reason}") from None
+    if len(raw) > MAX_WORKLOAD_BYTES:
+        raise InputError(f"{path}: {len(raw):,} bytes; a workload file holds at most "
+                         f"{MAX_WORKLOAD_BYTES // 1024} KiB of settings (requests come from "
+                         "requests.path or the synthetic generator)")
     data, marks = _parse_yaml(text, str(path))
+    if not data:
+        line, column = marks[()][1]
+        raise InputError(f"{path}:{line}:{column}: empty workload: expected a mapping of "
+                         "workload keys (model, cache, requests, run, ...)")
     data.setdefault("name", path.stem)
     data = apply_sets(data, sets)
     origin = _Origin(str(path), marks, [tuple(parse_set(item)[0].split(".")) for item in sets])
@@ -941,8 +1077,25 @@ def load_workload(path: str | Path, sets: Sequence[str] = ()) -> Workload:
     workload._source_text_sha256 = hashlib.sha256(raw).hexdigest()
     workload._origin = origin
     # Build the variants now so that `kvbench validate` reports their errors too.
-    workload.variant_workloads()
+    runs = workload.variant_workloads()
+    for item in sets:
+        key = parse_set(item)[0]
+        unused = [_unused_by(key, wl) for _, wl in runs]
+        if all(unused):
+            raise InputError(f"--set {item}: {unused[0]}")
     return workload
+
+
+def _unused_by(key: str, wl: Workload) -> str | None:
+    """Why `key` does nothing in `wl` (a setting of a section it does not use), else None."""
+    if key.startswith("requests.synthetic.") and wl.requests.source != "synthetic":
+        return (f"requests.synthetic is not used: this workload reads requests from a "
+                f"{wl.requests.source} (requests.source: {wl.requests.source})")
+    if key.startswith("scheduler.") and wl.run.mode != "serve":
+        return "the scheduler is not used in run.mode: cache (it runs in serve mode)"
+    if key.startswith("tune.") and wl.tune is None:
+        return "this workload has no tune: section to override"
+    return None
 
 
 def _one_line(exc: Exception) -> str:
@@ -954,9 +1107,15 @@ def _position(node: yaml.Node) -> tuple[int, int]:
 
 
 def _parse_yaml(text: str, file: str) -> tuple[dict, dict]:
-    loader = _Loader(text)
+    try:
+        loader = _Loader(text)
+    except yaml.reader.ReaderError as exc:
+        raise InputError(f"{file}:{_reader_position(text, exc)}: YAML syntax error: "
+                         f"{_unprintable(exc)}") from None
     try:
         root = loader.get_single_node()
+        if root is not None:
+            _check_bounds(root)
         data = loader.construct_document(root) if root is not None else {}
         marks: dict = {(): (None, _position(root) if root is not None else (1, 1))}
         if not isinstance(data, dict):
@@ -966,15 +1125,33 @@ def _parse_yaml(text: str, file: str) -> tuple[dict, dict]:
             )
         if root is not None:
             _collect_marks(root, (), marks, loader, file, set())
+    except _YamlLimit as exc:
+        mark = exc.mark
+        raise InputError(f"{file}:{mark.line + 1}:{mark.column + 1}: {exc}") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else file
         raise InputError(f"{where}: YAML syntax error: {exc.problem or exc.context}") from None
+    except yaml.reader.ReaderError as exc:
+        raise InputError(f"{file}:{_reader_position(text, exc)}: YAML syntax error: "
+                         f"{_unprintable(exc)}") from None
     except yaml.YAMLError as exc:
         raise InputError(f"{file}: YAML syntax error: {_one_line(exc)}") from None
+    except RecursionError:  # PyYAML without libyaml composes recursively
+        raise InputError(f"{file}: nested deeper than {MAX_YAML_DEPTH} levels") from None
     finally:
         loader.dispose()
     return data, marks
+
+
+def _reader_position(text: str, exc: yaml.reader.ReaderError) -> str:
+    before = text[: exc.position]
+    return f"{before.count(chr(10)) + 1}:{exc.position - (before.rfind(chr(10)) + 1) + 1}"
+
+
+def _unprintable(exc: yaml.reader.ReaderError) -> str:
+    code = exc.character if isinstance(exc.character, int) else ord(exc.character)
+    return f"character U+{code:04X} is not allowed in YAML"
 
 
 def _collect_marks(

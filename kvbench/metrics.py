@@ -211,34 +211,37 @@ _m("gap_closed", "number", "fraction", "LRU-to-optimal gap closed", "Reuse", _f,
    description="(hit_rate - lru_hit_rate) / (optimal_hit_rate - lru_hit_rate); null without "
                "both references or without a gap.")
 # Memory.
-_m("gpu_blocks_total", "count", "blocks", "GPU blocks total", "Memory", _c, MATCH, pinned=True,
-   description="GPU blocks (slots of all pools).")
-_m("gpu_bytes_total", "count", "bytes", "GPU bytes total", "Memory", _b, MATCH, needs="windows",
-   description="GPU bytes of all pools (several pools).")
+_m("gpu_blocks_total", "count", "blocks", "GPU cache size (blocks)", "Memory", _c, MATCH,
+   pinned=True, description="GPU blocks (slots of all pools): the cache's capacity.")
+_m("gpu_bytes_total", "count", "bytes", "GPU cache size (bytes)", "Memory", _b, MATCH,
+   description="GPU bytes of all pools: the cache's capacity, what a deployment reserves.")
 _m("peak_gpu_blocks", "count", "blocks", "GPU blocks peak (in use)", "Memory", _c, LOWER,
    pinned=True, description="Most GPU blocks running requests held at once.")
-_m("peak_gpu_bytes", "count", "bytes", "GPU bytes peak", "Memory", _b, LOWER, pinned=True,
+_m("peak_gpu_bytes", "count", "bytes", "GPU bytes peak (in use)", "Memory", _b, LOWER,
+   pinned=True,
    description="peak_gpu_blocks weighed by each pool's slot size.")
 _m("draft_gpu_blocks_total", "count", "blocks", "draft cache: GPU blocks total", "Memory", _c,
    MATCH, SERVE, needs="draft",
    description="The draft model's cache blocks (as many as the target's: it mirrors them).")
-_m("draft_peak_gpu_blocks", "count", "blocks", "draft cache: GPU blocks peak", "Memory", _c,
-   LOWER, SERVE, needs="draft", description="Most draft-cache blocks held at once.")
-_m("draft_peak_gpu_bytes", "count", "bytes", "draft cache: GPU bytes peak", "Memory", _b, LOWER,
-   SERVE, needs="draft", description="draft_peak_gpu_blocks x the draft's block size.")
-_m("peak_kv_bytes", "count", "bytes", "all KV caches: GPU bytes peak", "Memory", _b, LOWER,
-   SERVE, needs="draft",
+_m("draft_peak_gpu_blocks", "count", "blocks", "draft cache: GPU blocks peak (in use)", "Memory",
+   _c, LOWER, SERVE, needs="draft", description="Most draft-cache blocks held at once.")
+_m("draft_peak_gpu_bytes", "count", "bytes", "draft cache: GPU bytes peak (in use)", "Memory", _b,
+   LOWER, SERVE, needs="draft", description="draft_peak_gpu_blocks x the draft's block size.")
+_m("peak_kv_bytes", "count", "bytes", "all KV caches: GPU bytes peak (in use)", "Memory", _b,
+   LOWER, SERVE, needs="draft",
    description="Most GPU bytes all KV caches (target and draft) held at once.")
 _m("cross_gpu_blocks_total", "count", "blocks", "cross cache: GPU blocks total", "Memory", _c,
    MATCH, needs="encoder",
    description="Cross-attention blocks (cache.cross_kv_cache_fraction of the budget).")
-_m("cross_peak_gpu_blocks", "count", "blocks", "cross cache: GPU blocks peak", "Memory", _c,
-   LOWER, needs="encoder", description="Most cross-attention blocks held at once.")
-_m("cross_peak_gpu_bytes", "count", "bytes", "cross cache: GPU bytes peak", "Memory", _b,
+_m("cross_peak_gpu_blocks", "count", "blocks", "cross cache: GPU blocks peak (in use)", "Memory",
+   _c, LOWER, needs="encoder", description="Most cross-attention blocks held at once.")
+_m("cross_peak_gpu_bytes", "count", "bytes", "cross cache: GPU bytes peak (in use)", "Memory", _b,
    LOWER, needs="encoder", description="cross_peak_gpu_blocks x the block size.")
-_m("host_blocks_total", "count", "blocks", "host blocks total", "Memory", _c, MATCH, pinned=True,
+_m("host_blocks_total", "count", "blocks", "host cache size (blocks)", "Memory", _c, MATCH,
+   pinned=True,
    description="Host-tier blocks (host_offload_ratio x GPU blocks).")
-_m("peak_host_blocks", "count", "blocks", "host blocks peak", "Memory", _c, EITHER, pinned=True,
+_m("peak_host_blocks", "count", "blocks", "host blocks peak (in use)", "Memory", _c, EITHER,
+   pinned=True,
    description="Most host blocks holding data at once (with pools: the sum of their peaks).")
 _m("scratch_slots_peak", "count", "blocks", "scratch slots peak", "Memory", _c, LOWER,
    needs="windows", pinned=True, description="Most scratch slots held at once.")

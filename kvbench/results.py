@@ -1,4 +1,4 @@
-"""The result JSON (DESIGN.md section 4, pinned): building, atomic writing, reading and
+"""The result JSON (DESIGN.md section 4, pinned): building, reading (`outfile.py` writes it) and
 checking it, merging repeats, flattening nested metrics. Imports no engine, cache, config,
 numpy or torch: `kvbench compare` and `kvbench report` load only this and the metric registry.
 """
@@ -13,7 +13,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -173,26 +172,6 @@ def updated_baseline(path: str | Path, result: dict, *, replace: bool = False
 def run_workload(result: dict, run: dict) -> str:
     """The workload a run belongs to (a one-file result may leave it to `workload`)."""
     return run.get("workload") or (result.get("workload") or {}).get("name", "workload")
-
-
-def write_json_atomic(path: str | Path, data: dict) -> None:
-    """Write JSON atomically (`write_text_atomic`)."""
-    write_text_atomic(path, json.dumps(data, indent=1, allow_nan=False) + "\n")
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write via a temporary file in the same folder and rename, so a reader (or a crash)
-    never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def read_result(path: str | Path) -> dict:

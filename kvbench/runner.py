@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Callable
 
@@ -113,7 +114,35 @@ def run_workload(workload: Workload, progress: ProgressFactory | None = None) ->
     """Run every variant of `workload` on the same request stream (reloaded only when a
     variant changes the requests or the seed, or needs it in memory where another streamed
     it)."""
-    outcomes = []
+    return [_run_one(name, wl, requests, progress) for name, wl, requests in _variants(workload)]
+
+
+def check_workload(workload: Workload) -> None:
+    """Refuse (InputError) what `run_workload` would refuse, without running: the requests are
+    loaded (a trace is read to its end) and every variant's cache sized."""
+    for _ in _variants(workload):
+        pass
+
+
+def workload_warnings(workload: Workload) -> list[str]:
+    """What would run but is probably not what was meant: a GPU cache larger than the
+    hardware preset's memory."""
+    over: dict[tuple[int, str, int], list[str]] = {}
+    for name, wl in workload.variant_workloads():
+        m = wl.model
+        gpu_bytes = wl.cache.max_tokens * m.num_layers * m.kv_bytes_per_token_per_layer
+        memory = hardware_from_config(wl.hardware).memory_bytes
+        if memory is not None and gpu_bytes > memory:
+            over.setdefault((gpu_bytes, wl.hardware.preset, memory), []).append(name)
+    return [f"{_where(workload)}: cache.max_tokens: the GPU cache takes {_gib(gpu_bytes)} but "
+            f"a {preset} has {_gib(memory)} in all (variants: {', '.join(names)})"
+            for (gpu_bytes, preset, memory), names in over.items()]
+
+
+def _variants(workload: Workload):
+    """(name, workload, requests) of each variant, checked: the requests fit the cache and
+    what the run will allocate fits this machine's memory (`_check_sizes`). Streamed traces
+    are closed when the caller is done with them."""
     loaded: dict[str, list[Request] | SpilledTrace] = {}
     try:
         for name, wl in workload.variant_workloads():
@@ -123,12 +152,129 @@ def run_workload(workload: Workload, progress: ProgressFactory | None = None) ->
             requests = loaded.get(source_key)
             if requests is None:
                 requests = loaded[source_key] = _load(wl, stream)
-            outcomes.append(_run_one(name, wl, requests, progress))
+            _check_sizes(wl, requests)
+            yield name, wl, requests
     finally:
         for requests in loaded.values():
             if isinstance(requests, SpilledTrace):
                 requests.close()
-    return outcomes
+
+
+METADATA_BYTES_PER_BLOCK = 512
+"""Python memory the cache manager holds per block of either tier: about 240 bytes at rest
+(measured), more once blocks carry prefix keys and tree nodes."""
+
+
+def _check_sizes(wl: Workload, requests: list[Request]) -> None:
+    """Before anything is allocated: every request fits the cache (a serve run's budgets
+    too), and the block metadata and the data plane's K/V tensors fit in memory."""
+    emit = wl.run.backend != "none"
+    if _windowed(wl):
+        cycles, specs = _windowed_specs(wl, requests, emit_copy_ops=emit)
+        if wl.run.mode == "serve":
+            _check_serve_fits(wl, requests, sum(s.num_gpu_blocks for s in specs))
+        pools = [(s, c.num_layers) for c, s in zip(cycles, specs)]
+    else:
+        spec = cache_spec(wl, emit_copy_ops=emit)
+        if wl.run.mode == "serve":
+            _check_serve_fits(wl, requests, spec.num_gpu_blocks)
+        else:
+            _check_fits(wl, requests, spec.num_gpu_blocks)
+        pools = [(spec, wl.model.num_layers)]
+    # A draft model mirrors the target's blocks (`cache/mirror.py`): as many again; the cross
+    # cache takes its share of the same budget.
+    copies = 2 if wl.speculative.draft_model is not None else 1
+    blocks = copies * sum(s.num_gpu_blocks + s.num_host_blocks for s, _ in pools)
+    blocks += _cross_blocks(wl)
+    _check_memory(wl, blocks * METADATA_BYTES_PER_BLOCK, "the cache manager's block metadata")
+    if emit:
+        page = wl.cache.tokens_per_block * wl.model.kv_bytes_per_token_per_layer
+        gpu = sum(s.num_gpu_blocks * layers * page for s, layers in pools)
+        host = sum(s.num_host_blocks * layers * page for s, layers in pools)
+        gpu += sum(s.num_gpu_blocks for s, _ in pools) * draft_block_bytes(wl)
+        _check_tensors(wl, gpu, host)
+
+
+def _synthetic_bytes(requests_cfg) -> int:
+    """Bytes of the token ids a synthetic stream holds (int64): multi-turn prompts repeat
+    their session so far, half the turns on average."""
+    s = requests_cfg.synthetic
+    n = s.num_requests  # the generator makes them all before a limit cuts
+    profile = s.prompt_tokens if s.profile_tokens is None else s.profile_tokens
+    per_request = s.system_prompt_tokens + profile + s.prompt_tokens + s.output_tokens
+    if s.generator == "multi_turn":
+        per_request = s.system_prompt_tokens + (s.turns + 1) / 2 * (s.prompt_tokens
+                                                                    + s.output_tokens)
+    return int(8 * (n * per_request + s.num_users * (s.system_prompt_tokens + s.prompt_tokens)))
+
+
+def _check_tensors(wl: Workload, gpu_bytes: int, host_bytes: int) -> None:
+    """The data plane's K/V tensors: the GPU tier on the GPU when there is one (else in host
+    memory, as the host tier always is)."""
+    import torch
+
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        if gpu_bytes > free:
+            raise InputError(
+                f"{_where(wl)}: run.backend {wl.run.backend}: the GPU tier's K/V tensors need "
+                f"{_gib(gpu_bytes)} ({gpu_bytes:,} bytes) but the GPU has {_gib(free)} free; "
+                "lower cache.max_tokens")
+        _check_memory(wl, host_bytes, "the host tier's K/V tensors")
+    else:
+        _check_memory(wl, gpu_bytes + host_bytes, "the K/V tensors (on the CPU)")
+
+
+_CACHE_HINT = "lower cache.max_tokens or cache.host_offload_ratio"
+
+
+def _check_memory(wl: Workload, need: int, what: str, hint: str = _CACHE_HINT) -> None:
+    available = available_memory()
+    if available is not None and need > available:
+        raise InputError(
+            f"{_where(wl)}: {what} would take {_gib(need)} ({need:,} bytes) but only "
+            f"{_gib(available)} is available to this process; {hint}")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process may still allocate: MemAvailable of /proc/meminfo, what
+    the cgroup's limit and the address-space limit (ulimit -v) leave, whichever is lowest
+    (None where none is known)."""
+    limits = []
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/statm") as f:
+                used = int(f.read().split()[0]) * resource.getpagesize()
+        except (OSError, ValueError, IndexError):
+            used = 0
+        limits.append(max(soft - used, 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+                    break
+    except OSError:
+        pass
+    for path, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                         "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            with open(usage) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if text.isdigit():
+            limits.append(max(int(text) - used, 0))
+        break
+    return min(limits) if limits else None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
 
 
 def load_workload_requests(wl: Workload) -> list[Request]:
@@ -147,6 +293,9 @@ def _streamable(wl: Workload) -> bool:
 
 
 def _load(wl: Workload, stream: bool = False) -> list[Request] | SpilledTrace:
+    if wl.requests.source == "synthetic":
+        _check_memory(wl, _synthetic_bytes(wl.requests), "the synthetic requests' tokens",
+                      "lower requests.synthetic.num_requests, num_users or the token counts")
     base = wl.source_path.parent if wl.source_path is not None else resolve_path(wl, ".")
     requests = reader = None
     if stream:
@@ -341,6 +490,19 @@ def _check_fits(wl: Workload, requests: list[Request] | SpilledTrace, num_blocks
 
 def windowed_manager(wl: Workload, requests: list[Request], *,
                      emit_copy_ops: bool = False) -> WindowedCacheManager:
+    """The cache of a model with sliding-window layers (`_windowed_specs`)."""
+    cycles, specs = _windowed_specs(wl, requests, emit_copy_ops=emit_copy_ops)
+    c = wl.cache
+    reserve = wl.speculative.max_draft_len + wl.speculative.reserved_tokens
+    return WindowedCacheManager(
+        cycles, specs, release_out_of_window=c.release_out_of_window,
+        swa_scratch_reuse=c.swa_scratch_reuse,
+        bytes_per_token_per_layer=wl.model.kv_bytes_per_token_per_layer,
+        reserve_tokens=reserve if wl.run.mode == "serve" else 0)
+
+
+def _windowed_specs(wl: Workload, requests: list[Request], *,
+                    emit_copy_ops: bool = False) -> tuple[list[LifeCycle], list[CacheSpec]]:
     """The pools of a model with sliding-window layers: one per life cycle, the GPU budget
     (`cache.max_tokens` tokens of the whole model, in bytes, less the cross-attention
     cache's share) split by `cache.window_memory_split` against the mean request context
@@ -385,10 +547,7 @@ def windowed_manager(wl: Workload, requests: list[Request], *,
         strict_phase2=c.strict_phase2,
         eviction_policy=c.eviction_policy, policy_params=policy_params(wl), admission=c.admission,
     ) for n in blocks]
-    return WindowedCacheManager(
-        cycles, specs, release_out_of_window=c.release_out_of_window,
-        swa_scratch_reuse=c.swa_scratch_reuse, bytes_per_token_per_layer=per_layer,
-        reserve_tokens=reserve if wl.run.mode == "serve" else 0)
+    return cycles, specs
 
 
 def _serve_blocks_bound(wl: Workload, cycle: LifeCycle, request: Request, length: int) -> int:
@@ -413,11 +572,7 @@ def _run_one(
         return _run_serve(name, wl, requests, progress)
     emit = wl.run.backend != "none"
     windowed = windowed_manager(wl, requests, emit_copy_ops=emit) if _windowed(wl) else None
-    if windowed is None:
-        spec = cache_spec(wl, emit_copy_ops=emit)
-        _check_fits(wl, requests, spec.num_gpu_blocks)
-    else:
-        spec = windowed.managers[0].spec
+    spec = cache_spec(wl, emit_copy_ops=emit) if windowed is None else windowed.managers[0].spec
     streamed = isinstance(requests, SpilledTrace)
     cross = None if streamed else cross_manager(wl, requests)
     plane = _open_data_plane(wl, spec, windowed, cross=cross)
@@ -428,6 +583,7 @@ def _run_one(
     # With a host tier the optimum may keep blocks in either tier: one pool of both sizes.
     # With windows it is null (the offline optimum is for one pool) and the ideal is an
     # unlimited cache under the same window rules.
+    done = _phase(progress, f"{name}: reference hit rates (optimal, ideal)")
     if windowed is None:
         refs = (streamed_reference_hit_rates if streamed else reference_hit_rates)(
             requests, spec.tokens_per_block, spec.num_gpu_blocks + spec.num_host_blocks,
@@ -435,6 +591,7 @@ def _run_one(
         ideal, optimal = refs.ideal_hit_rate, refs.optimal_hit_rate
     else:
         ideal, optimal = _ideal_hit_rate(requests, spec, windowed, serve=False), None
+    done(1)
     hit = result.reused_tokens / result.prompt_tokens
     lru = hit if _is_lru(wl) else _lru_reference(wl, requests)
     wall = time.perf_counter() - t0
@@ -533,8 +690,6 @@ def _run_serve(
     spec = cache_spec(wl, emit_copy_ops=wl.run.backend != "none")
     if windowed is not None:
         spec = windowed.managers[0].spec
-    _check_serve_fits(wl, requests, spec.num_gpu_blocks if windowed is None
-                      else windowed.gpu_blocks_total)
     cross = cross_manager(wl, requests)
     clock = serve_clock(wl)
     if wl.run.clock == "measured":
@@ -564,7 +719,9 @@ def _run_serve(
         block_bytes=block_bytes(wl),
         data_plane=plane, speculation=speculation, draft_plane=draft_plane, cross=cross,
         on_progress=advance)
+    done = _phase(progress, f"{name}: reference hit rate (ideal)")
     ideal = _ideal_hit_rate(requests, spec, windowed, serve=True)
+    done(1)
     wall = time.perf_counter() - t0
     for r in requests:
         r.drop_keys()
@@ -644,6 +801,11 @@ def _draft_metrics(wl: Workload, draft: KVCacheManager, states) -> dict:
         "draft_reused_partial_blocks": sum(s.draft_reuse[1] for s in states),
         "peak_kv_bytes": peak * (block_bytes(wl) + draft_block_bytes(wl)),
     }
+
+
+def _phase(progress: ProgressFactory | None, description: str) -> Callable[[int], None]:
+    """A one-step progress task naming a phase with no count of its own."""
+    return progress(description, 1) if progress is not None else (lambda n: None)
 
 
 def _ideal_hit_rate(requests: list[Request], spec: CacheSpec,

@@ -3,8 +3,20 @@
 Every hypothesis test is derandomized: the suite must give the same answer on every run and in
 CI, so a property test that can fail only on some seeds is found here, not after landing. A
 test's own ``@settings`` still sets its example count; it inherits this profile's other fields.
+
+Tests marked `fuzz` (long campaigns, `tests/test_fuzz.py`) run only when asked for: `-m fuzz`.
 """
+import pytest
 from hypothesis import settings
 
 settings.register_profile("kvbench", derandomize=True, deadline=None, print_blob=True)
 settings.load_profile("kvbench")
+
+
+def pytest_collection_modifyitems(config, items):
+    if "fuzz" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="long campaign: run with -m fuzz")
+    for item in items:
+        if "fuzz" in item.keywords:
+            item.add_marker(skip)

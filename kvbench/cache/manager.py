@@ -602,6 +602,7 @@ class KVCacheManager:
     def memory_metrics(self, slot_bytes: int) -> dict:
         peak = self.gpu.peak_in_use
         return {"gpu_blocks_total": self.spec.num_gpu_blocks,
+                "gpu_bytes_total": self.spec.num_gpu_blocks * slot_bytes,
                 "host_blocks_total": self.spec.num_host_blocks,
                 "peak_gpu_blocks": peak, "peak_gpu_bytes": peak * slot_bytes}
 

@@ -80,7 +80,7 @@ class CacheManager(Protocol):
         and then each other beam that computes own positions."""
 
     def memory_metrics(self, slot_bytes: int) -> dict:
-        """gpu/host blocks total, peaks (and per-pool figures with several pools);
+        """gpu/host blocks total, GPU bytes total, peaks (and per-pool figures with several pools);
         `slot_bytes` is the bytes of one block of a one-pool cache."""
 
     def moved_bytes(self, slot_bytes: int) -> tuple[int, int]:

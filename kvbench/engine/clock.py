@@ -68,14 +68,23 @@ class Hardware:
     host_link_bandwidth: float
     """GPU <-> host copy bandwidth in one direction, bytes/s."""
     step_overhead_s: float = STEP_OVERHEAD_MS / 1000
+    memory_bytes: int | None = None
+    """GPU memory the driver reports in all (the KV cache gets what weights and activations
+    leave of it); None when unknown."""
 
 
+_MIB = 1 << 20
 PRESETS: dict[str, Hardware] = {
     # Datasheets: dense (not sparse) bf16 tensor FLOP/s; host link = PCIe x16, one direction.
-    "H100-SXM": Hardware("H100-SXM", 989e12, 3.35e12, 64e9),   # HBM3, PCIe Gen5
-    "H200": Hardware("H200", 989e12, 4.8e12, 64e9),            # HBM3e, PCIe Gen5
-    "A100-80G": Hardware("A100-80G", 312e12, 2.039e12, 32e9),  # SXM HBM2e, PCIe Gen4
-    "L40S": Hardware("L40S", 362.05e12, 864e9, 32e9),          # GDDR6, PCIe Gen4
+    # Memory: the total nvidia-smi reports for the card.
+    "H100-SXM": Hardware("H100-SXM", 989e12, 3.35e12, 64e9,     # HBM3, PCIe Gen5
+                         memory_bytes=81559 * _MIB),
+    "H200": Hardware("H200", 989e12, 4.8e12, 64e9,              # HBM3e, PCIe Gen5
+                     memory_bytes=143771 * _MIB),
+    "A100-80G": Hardware("A100-80G", 312e12, 2.039e12, 32e9,    # SXM HBM2e, PCIe Gen4
+                         memory_bytes=81920 * _MIB),
+    "L40S": Hardware("L40S", 362.05e12, 864e9, 32e9,            # GDDR6, PCIe Gen4
+                     memory_bytes=46068 * _MIB),
 }
 
 
@@ -90,6 +99,7 @@ def hardware_from_config(cfg) -> Hardware:
         else base.host_link_bandwidth,
         cfg.step_overhead_ms / 1000 if cfg.step_overhead_ms is not None
         else base.step_overhead_s,
+        base.memory_bytes,
     )
 
 

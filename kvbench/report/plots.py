@@ -8,10 +8,12 @@ Each function returns the path it wrote, or None when the run has nothing to plo
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
-from ..results import MergedRun, flatten_metrics
 from ..metrics import metric
+from ..outfile import write_files
+from ..results import MergedRun, flatten_metrics
 
 PLOT_KINDS = ("blocks", "hit_rate", "bars")
 """blocks and hit_rate: one PNG per run (from its timeline); bars: one PNG per workload."""
@@ -25,6 +27,7 @@ _STATE_COLORS = ("#d62728", "#1f77b4", "#c7c7c7")
 HEADLINE: tuple[tuple[str, ...], ...] = (
     ("hit_rate", "optimal_hit_rate", "ideal_hit_rate"),
     ("peak_gpu_blocks",),
+    ("peak_gpu_bytes",),
     ("evicted_blocks",),
     ("reused_tokens_host",),
     ("mnt_overflow_steps",),
@@ -34,7 +37,9 @@ HEADLINE: tuple[tuple[str, ...], ...] = (
     ("tpot_ms.p50", "tpot_ms.p99"),
 )
 """The metrics of each bar panel; its title is the first one's registry label, a fraction
-gets a 0..100 % axis; a panel whose values are all zero or absent is left out."""
+gets a 0..100 % axis, bytes are shown in GiB and counts get integer ticks; a panel whose
+values are all zero or absent is left out, and a variant the metric does not apply to (absent
+or null) is marked n/a rather than drawn as a bar of 0."""
 
 
 def plot_blocks(run: MergedRun, path: Path) -> Path | None:
@@ -44,6 +49,7 @@ def plot_blocks(run: MergedRun, path: Path) -> Path | None:
     always the whole pool: cache mode samples in use at a request's peak but cached and free
     after its release, when its blocks are cached."""
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     cols = run.timeline.get("columns") or {}
     if not all(s in cols for s in _STATES):
@@ -59,7 +65,9 @@ def plot_blocks(run: MergedRun, path: Path) -> Path | None:
                  colors=_STATE_COLORS, step="post")
     ax.set_ylabel("GPU blocks")
     ax.set_xlim(x[0], x[-1] if len(x) > 1 else x[0] + 1)
-    ax.legend(loc="upper right", fontsize="small")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    # Beside the axes: the stack fills the whole plot, so a legend inside would hide it.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     ax.set_xlabel(_x_label(run.timeline))
     fig.suptitle(f"{run.workload} / {run.variant}: blocks over time")
     return _save(fig, path)
@@ -98,7 +106,7 @@ def plot_hit_rate(run: MergedRun, path: Path) -> Path | None:
     ax.yaxis.set_major_formatter(_percent_formatter())
     ax.set_xlabel(_x_label(run.timeline))
     ax.set_ylabel("hit rate")
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.suptitle(f"{run.workload} / {run.variant}: hit rate over time")
     return _save(fig, path)
 
@@ -108,7 +116,7 @@ def plot_bars(workload: str, runs: list[MergedRun], path: Path) -> Path | None:
     import numpy as np
 
     flat = [flatten_metrics(r.metrics) for r in runs]
-    panels = [(_panel_title(keys), keys, metric(keys[0]).unit == "fraction")
+    panels = [(_panel_title(keys), keys, metric(keys[0]))
               for keys in HEADLINE if any(_num(m.get(k)) for m in flat for k in keys)]
     if not panels:
         return None
@@ -117,21 +125,34 @@ def plot_bars(workload: str, runs: list[MergedRun], path: Path) -> Path | None:
     fig, axes = _figure(nrows, ncols, (4.2 * ncols, 3.4 * nrows))
     names = [r.variant for r in runs]
     positions = np.arange(len(runs))
-    for ax, (title, keys, fraction) in zip(axes.flat, panels):
+    from matplotlib.ticker import MaxNLocator
+
+    for ax, (title, keys, m) in zip(axes.flat, panels):
         width = 0.8 / len(keys)
+        scale = 2**30 if m.unit == "bytes" else 1
         for i, key in enumerate(keys):
-            values = [_num(m.get(key)) or 0.0 for m in flat]
+            values = [_num(f.get(key)) for f in flat]
             label = key.split(".")[-1] if "." in key else key.replace("_", " ")
-            ax.bar(positions + (i - (len(keys) - 1) / 2) * width, values, width, label=label)
+            at = positions + (i - (len(keys) - 1) / 2) * width
+            drawn = [(x, v / scale) for x, v in zip(at, values) if v is not None]
+            ax.bar([x for x, _ in drawn], [v for _, v in drawn], width, label=label)
+            for x, v in zip(at, values):
+                if v is None:
+                    ax.text(x, 0, "n/a", ha="center", va="bottom", fontsize="small",
+                            color="gray")
         ax.set_title(title)
         crowded = len(runs) > 3
         ax.set_xticks(positions, names, rotation=30 if crowded else 0,
                       ha="right" if crowded else "center")
-        if fraction:
+        if m.unit == "fraction":
             ax.set_ylim(0, 1)
             ax.yaxis.set_major_formatter(_percent_formatter())
+        elif m.kind == "count" and m.unit != "bytes":
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         if len(keys) > 1:
-            ax.legend(fontsize="x-small")
+            # Above the axes, so it never hides a bar.
+            ax.legend(fontsize="x-small", loc="lower center", bbox_to_anchor=(0.5, 1.08),
+                      ncols=len(keys), frameon=False)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(f"{workload}: headline metrics by variant")
@@ -142,6 +163,8 @@ def _panel_title(keys: tuple[str, ...]) -> str:
     m = metric(keys[0])
     if "." in keys[0]:  # a percentile panel: its leaves are the legend
         return f"{m.title.split(' ')[0]} ({m.unit})"
+    if m.unit == "bytes":
+        return f"{m.title} (GiB)"
     return m.title + (f" ({m.unit})" if m.unit in ("ms", "s", "tokens/s") else "")
 
 
@@ -156,7 +179,9 @@ def _save(fig, path: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, dpi=100, format="png")
+    write_files([(path, png.getvalue())])
     return path
 
 

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import textwrap
+
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..metrics import SECTIONS, in_section
 
@@ -27,32 +31,54 @@ def table_rows(runs: list[dict]) -> list[tuple[str, str, list[str]]]:
     return rows
 
 
-def metrics_tables(title: str, runs: list[tuple[str, dict]]) -> list[Table]:
-    """One table per section with at least one metric present."""
+def metrics_tables(title: str, runs: list[tuple[str, dict]],
+                   differences: dict[str, list[str]] | None = None,
+                   overridden: bool = False) -> list[Table]:
+    """One table per section with at least one metric present. A variant's column heading
+    lists the resolved settings in which the variants differ (`differences`), so a name never
+    hides what ran; `overridden` (the command line gave --set) says which of the two wins."""
+    differences = differences or {}
     tables: dict[str, Table] = {}
     for section, label, cells in table_rows([m for _, m in runs]):
         table = tables.get(section)
         if table is None:
-            table = tables[section] = Table(title=f"{title}: {section}", title_justify="left")
+            # Titles never fold mid-word (print_wide keeps the cells whole).
+            table = tables[section] = Table(
+                title=Text(f"{title}: {section}", no_wrap=True, overflow="ignore"),
+                title_justify="left")
+            if overridden and len(runs) > 1 and len(tables) == 1:
+                table.caption = "--set applies to every variant; a variant's own set wins"
+                table.caption_justify = "left"
             table.add_column("metric")
             for name, _ in runs:
-                table.add_column(name, justify="right")
+                table.add_column("\n".join([name, *differences.get(name, [])]), justify="right")
         table.add_row(label, *cells)
     return list(tables.values())
 
 
-def print_wide(console: Console, table: Table, *, limit: int = 1000) -> None:
-    """Print `table` at its natural width (up to `limit` columns) when that is wider than the
-    console, so that rich neither wraps nor crops its cells."""
+def print_wide(console: Console, table: Table, *, limit: int = 10_000) -> None:
+    """Print `table` without folding a cell: headers wrap at spaces to their column's widest
+    cell, cells never wrap, and a table wider than the console is printed whole (up to `limit`
+    columns: a terminal scrolls it, a file or pipe gets whole lines), never a number split over
+    two lines."""
+    for column in table.columns:
+        cells = [cell_len(c) for c in column.cells if isinstance(c, str)]
+        if isinstance(column.header, str) and cells:
+            words = column.header.split()
+            width = max([max(cells), *(cell_len(w) for w in words)])
+            column.header = "\n".join(textwrap.wrap(column.header, width)) or column.header
+        column.no_wrap = True
     width = console.measure(table, options=console.options.update_width(limit)).maximum
     saved = console.width
     console.width = max(saved, width)
     try:
-        console.print(table)
+        console.print(table, crop=False)
     finally:
         console.width = saved
 
 
-def print_metrics(console: Console, title: str, runs: list[tuple[str, dict]]) -> None:
-    for table in metrics_tables(title, runs):
-        console.print(table)
+def print_metrics(console: Console, title: str, runs: list[tuple[str, dict]],
+                  differences: dict[str, list[str]] | None = None,
+                  overridden: bool = False) -> None:
+    for table in metrics_tables(title, runs, differences, overridden):
+        print_wide(console, table)

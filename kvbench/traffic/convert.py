@@ -4,19 +4,17 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 from kvbench.errors import InputError
+from kvbench.outfile import OutputFile
 from kvbench.traffic.request import Request
 from kvbench.traffic.tracefile import ChainedIds, TraceReader
 
 TARGETS = ("mooncake", "token_ids")
 
 
-def convert(reader: TraceReader, out: Path, to: str = "mooncake",
+def convert(reader: TraceReader, out: OutputFile, to: str = "mooncake",
             block_tokens: int | None = None) -> tuple[int, int | None]:
     """Write `reader`'s requests to `out`; returns (requests written, block size of the ids).
 
@@ -28,18 +26,18 @@ def convert(reader: TraceReader, out: Path, to: str = "mooncake",
     if to not in TARGETS:
         raise InputError(f"--to: expected one of {', '.join(TARGETS)}, got {to!r}")
     if to == "token_ids":
-        return _write_lines(out, (_token_line(r) for r in reader)), 1
+        return out.write_lines((_token_line(r) for r in reader)), 1
     return _to_mooncake(reader, out, block_tokens)
 
 
-def _to_mooncake(reader: TraceReader, out: Path, block_tokens: int | None):
+def _to_mooncake(reader: TraceReader, out: OutputFile, block_tokens: int | None):
     if reader.block_tokens == 1:  # explicit tokens: hash their blocks
         if block_tokens is None:
             raise InputError("--block-tokens: required to convert a token-id trace to Mooncake "
                              "hash ids")
         table = ChainedIds()
         lines = (_mooncake_line(r, _token_block_ids(r, block_tokens, table)) for r in reader)
-        return _write_lines(out, lines), block_tokens
+        return out.write_lines(lines), block_tokens
     if block_tokens is not None:
         raise InputError(f"--block-tokens: a {reader.format} trace keeps its own block size")
     sizes: set[int] = set()
@@ -49,7 +47,7 @@ def _to_mooncake(reader: TraceReader, out: Path, block_tokens: int | None):
             sizes.add(r.trace_block_tokens)
             yield _mooncake_line(r, r.hash_ids.tolist())
 
-    n = _write_lines(out, lines())
+    n = out.write_lines(lines())
     return n, (sizes.pop() if len(sizes) == 1 else reader.block_tokens)
 
 
@@ -72,29 +70,7 @@ def _token_line(r: Request) -> str:
                        "input_ids": r.prompt_tokens().tolist(), "output_tokens": r.output_length})
 
 
-def _write_lines(path: Path, lines: Iterable[str]) -> int:
-    """Write via a temporary file in the same folder and rename: never half a trace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    n = 0
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as a plain open() would create it
-        with os.fdopen(fd, "w") as f:
-            for line in lines:
-                f.write(line)
-                f.write("\n")
-                n += 1
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return n
-
-
-def tile(open_reader, out: Path, times: int) -> tuple[int, int | None]:
+def tile(open_reader, out: OutputFile, times: int) -> tuple[int, int | None]:
     """Write the trace `times` times over as Mooncake JSONL: a production-size trace from a
     real one. Tile k shifts every id by k x (largest id + 1), so tiles share nothing with each
     other (as different users would not), and every arrival by k x (the trace's span plus its
@@ -122,4 +98,4 @@ def tile(open_reader, out: Path, times: int) -> tuple[int, int | None]:
                 r.arrival_s += k * shift
                 yield _mooncake_line(r, (r.hash_ids + k * stride).tolist())
 
-    return _write_lines(out, lines()), block
+    return out.write_lines(lines()), block

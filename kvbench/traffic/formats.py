@@ -11,7 +11,7 @@ from kvbench.traffic.lengths_csv import LAYOUTS, LengthsCsvReader
 from kvbench.traffic.mooncake import MooncakeReader
 from kvbench.traffic.servegen import ServeGenReader
 from kvbench.traffic.token_ids import TokenIdsReader
-from kvbench.traffic.tracefile import TraceOptions, TraceReader
+from kvbench.traffic.tracefile import TraceOptions, TraceReader, open_binary
 from kvbench.traffic.weka import WekaReader
 
 READERS: dict[str, type[TraceReader]] = {
@@ -40,11 +40,8 @@ def sniff(path: Path) -> tuple[str, str]:
     path = Path(path)
     if path.is_dir():
         return "weka", "a folder of kv-cache-tester conversations"
-    try:
-        with open(path, "rb") as f:
-            head = f.read(_SNIFF_BYTES)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read trace: {e.strerror or e}") from None
+    with open_binary(path) as f:
+        head = f.read(_SNIFF_BYTES)
     text = head.decode("utf-8", errors="replace").lstrip("\ufeff")
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
     obj = None

@@ -2,7 +2,8 @@
 
 Generators (`cfg.generator`):
 - `shared_prefix`: every request is one shared system prompt (`system_prompt_tokens`), then the
-  profile of one of `num_users` users (`prompt_tokens`, fixed per user), then a fresh question.
+  profile of one of `num_users` users (`profile_tokens`, fixed per user; `prompt_tokens` when
+  unset), then a fresh question (`prompt_tokens` on average: the new tokens of the request).
 - `multi_turn`: `num_users` concurrent chat sessions of `turns` turns. Turn 1 is the system prompt
   plus a user message; turn k+1 is turn k's prompt, turn k's answer and a new user message, so
   each turn reuses everything its session has seen. Each request carries its answer as
@@ -53,8 +54,10 @@ _Prompt = tuple[np.ndarray, int, "np.ndarray | None"]
 
 def _shared_prefix(cfg, rng: np.random.Generator) -> list[_Prompt]:
     system = _tokens(rng, cfg, cfg.system_prompt_tokens)
+    profile = getattr(cfg, "profile_tokens", None)
+    profile = cfg.prompt_tokens if profile is None else profile
     profiles = [
-        np.concatenate([system, _tokens(rng, cfg, cfg.prompt_tokens)])
+        np.concatenate([system, _tokens(rng, cfg, profile)])
         for _ in range(cfg.num_users)
     ]
     prompts = []

@@ -17,6 +17,8 @@ import json
 import json.decoder
 import json.scanner
 import math
+import os
+import stat
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,12 +52,17 @@ def warn(message: str) -> None:
 
 def open_binary(path: Path):
     try:
-        return open(path, "rb")
+        f = open(path, "rb")
     except IsADirectoryError:
         raise InputError(f"{path}: is a directory (only requests.format: weka reads a folder)"
                          ) from None
     except OSError as e:
         raise InputError(f"{path}: cannot read trace: {e.strerror or e}") from None
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        # A device or fifo may never end (/dev/zero is one endless line).
+        f.close()
+        raise InputError(f"{path}: cannot read trace: not a regular file")
+    return f
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[int, dict]]:

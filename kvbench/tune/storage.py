@@ -100,6 +100,8 @@ def open_storage(plan: Plan):
         from optuna.storages.journal import JournalFileBackend
 
         path = Path(url[len("journal:"):]).expanduser()
+        if path.is_dir() or not path.name:
+            raise InputError(f"--storage {url}: expected a journal file, not a folder")
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             backend = JournalFileBackend(str(path))
@@ -138,6 +140,11 @@ def open_storage(plan: Plan):
                     "postgresql+psycopg2://)" if "postgres" in url else "")
             raise TuneError(f"--storage {display_url(url)}: no database driver: {cause}{hint}"
                             ) from None
+        except sqlalchemy.exc.NoSuchModuleError:
+            dialect = url.split("://", 1)[0]
+            raise InputError(f"--storage {display_url(url)}: unknown database {dialect!r}; "
+                             "expected sqlite:///FILE, postgresql+psycopg://USER@HOST/DB, "
+                             "mysql+pymysql://USER@HOST/DB or journal:PATH") from None
         except sqlalchemy.exc.ArgumentError as exc:
             raise InputError(f"--storage {display_url(url)}: {exc}") from None
         except sqlalchemy.exc.SQLAlchemyError as exc:

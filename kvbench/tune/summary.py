@@ -4,6 +4,7 @@ the plots."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import resolve_path
+from ..outfile import output_file, write_files
 from .plan import FAILED, INVALID, Plan, _constraints_func, is_feasible, trial_workload
 from .storage import display_url
 
@@ -143,10 +145,7 @@ def export_best(plan: Plan, trial: FrozenTrial, path: str | Path) -> Path:
               f"# Objectives: {objectives}\n# Tuned: {tuned}\n"
               f"# Exported by kvbench tune from {plan.job.workload}; run: kvbench run {path}\n")
     text = header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    output_file(path, "--export-best").write_text(text)
     return path
 
 
@@ -215,6 +214,8 @@ def _best_line(ax, plan: Plan, study: optuna.Study, i: int, name: str) -> None:
 def _save(ax, path: Path, plt) -> Path:
     fig = ax.figure
     fig.set_size_inches(8, 5)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    png = io.BytesIO()
+    fig.savefig(png, dpi=110, bbox_inches="tight", format="png")
     plt.close(fig)
+    write_files([(path, png.getvalue())])
     return path

@@ -1,0 +1,430 @@
+"""Hostile input and output paths (issue 14): each case exits 0 or 2 with one line, in bounded
+time and memory, and output files are written where and how the user meant."""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import run_cli
+from kvbench.config import MAX_WORKLOAD_BYTES, MAX_YAML_NODES
+
+TINY = """\
+model: {num_layers: 2, num_kv_heads: 1, num_q_heads: 1, head_dim: 8}
+cache: {tokens_per_block: 16, max_tokens: 1024}
+requests:
+  synthetic: {generator: shared_prefix, num_requests: 20, system_prompt_tokens: 32,
+              prompt_tokens: 16, num_users: 4, output_tokens: 4}
+run: {seed: 1, progress: false}
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY)
+    return path
+
+
+def one_error(code: int, err: str, expected_code: int = 2) -> str:
+    """The single stderr line of a refused input."""
+    assert code == expected_code, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and "Error:" not in lines[0].split(": error: ", 1)[-1][:40]
+    assert lines[0].startswith("kvbench: error: ")
+    return lines[0][len("kvbench: error: "):]
+
+
+# --- 1. bounded YAML -----------------------------------------------------------------------------
+
+
+def alias_bomb(levels: int = 9, under: str = "junk") -> str:
+    lines = [f"{under}:", "  a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("under", ["junk", "tune"])
+def test_alias_bomb_is_refused_at_once(tmp_path, capsys, under):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb(under=under))
+    assert path.stat().st_size < 600
+    t0 = time.perf_counter()
+    code, _, err = run_cli(["validate", path], capsys)
+    assert time.perf_counter() - t0 < 1.0
+    assert one_error(code, err) == (
+        f"{path}:7:7: aliases expand the document past {MAX_YAML_NODES:,} values "
+        "(an alias bomb?)")
+
+
+def test_aliases_within_the_bound_still_work(tmp_path, capsys):
+    path = tmp_path / "ok.yaml"
+    path.write_text(TINY + "variants:\n  - &v {name: a, set: {cache.max_tokens: 512}}\n"
+                    "  - {<<: *v, name: b}\n")
+    code, out, err = run_cli(["validate", path], capsys)
+    assert code == 0, err
+    assert "variants: a, b" in out
+
+
+@pytest.mark.parametrize(("text", "where", "message"), [
+    ("model: " + "[" * 40 + "]" * 40 + "\n", "1:39", "nested deeper than 32 levels"),
+    ("model: " + "[" * 20000 + "]" * 20000 + "\n", "1:1007",
+     "YAML syntax error: exceeded maximum nesting depth"),
+    ("a: &a [*a]\n", "1:4", "an alias here refers to a node that contains it"),
+])
+def test_deep_or_recursive_yaml(tmp_path, capsys, text, where, message):
+    path = tmp_path / "w.yaml"
+    path.write_text(text)
+    code, _, err = run_cli(["validate", path], capsys)
+    assert one_error(code, err) == f"{path}:{where}: {message}"
+
+
+def test_oversized_file_is_refused_before_parsing(tmp_path, capsys):
+    path = tmp_path / "big.yaml"
+    path.write_text("model:\n  attention_window: [" + ", ".join(["1"] * 400_000) + "]\n")
+    assert path.stat().st_size < 2**20 * 1.2
+    t0 = time.perf_counter()
+    code, _, err = run_cli(["validate", path], capsys)
+    assert time.perf_counter() - t0 < 1.0
+    assert one_error(code, err).startswith(
+        f"{path}: {path.stat().st_size:,} bytes; a workload file holds at most "
+        f"{MAX_WORKLOAD_BYTES // 1024} KiB")
+
+
+def test_set_value_is_bounded_too(tiny, capsys):
+    bomb = "[" * 40 + "]" * 40
+    code, _, err = run_cli(["validate", tiny, "--set", f"model.attention_window={bomb}"], capsys)
+    assert one_error(code, err) == "--set model.attention_window: nested deeper than 32 levels"
+
+
+# --- 2. output files -----------------------------------------------------------------------------
+
+
+def test_json_to_a_device_fifo_or_directory_is_refused_before_the_run(tiny, tmp_path, capsys):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target, kind in (("/dev/null", "a character device"), (tmp_path, "a directory"),
+                         (fifo, "a fifo")):
+        code, out, err = run_cli(["run", tiny, "--json", target], capsys)
+        assert one_error(code, err) == (
+            f"--json {target}: cannot write: {kind}, not a regular file (give a file path, "
+            "or - for standard output)")
+        assert out == ""  # refused before the run: no tables
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+@pytest.mark.parametrize("option", ["--json", "--update-baseline"])
+def test_symlink_is_written_through(tiny, tmp_path, capsys, option):
+    target = tmp_path / "data" / "real.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    replace = ["--replace"] if option == "--update-baseline" else []
+    code, _, err = run_cli(["run", tiny, option, link, "-q", *replace], capsys)
+    assert code == 0, err
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert json.loads(target.read_text())["schema_version"] == 1
+    assert [p.name for p in target.parent.iterdir()] == ["real.json"]  # no temporary left
+
+
+def test_a_baseline_to_merge_into_is_read_before_the_run(tiny, tmp_path, capsys):
+    baseline = tmp_path / "b.json"
+    baseline.write_text("old")
+    code, out, err = run_cli(["run", tiny, "--update-baseline", baseline], capsys)
+    assert one_error(code, err) == f"{baseline}:1:1: not JSON: Expecting value"
+    assert out == ""
+
+
+def test_new_file_honours_the_umask_and_an_existing_one_keeps_its_mode(tiny, tmp_path, capsys):
+    old = os.umask(0o027)
+    try:
+        code, _, err = run_cli(["run", tiny, "--json", tmp_path / "new.json", "-q"], capsys)
+    finally:
+        os.umask(old)
+    assert code == 0, err
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o640
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    kept.chmod(0o604)
+    assert run_cli(["run", tiny, "--json", kept, "-q"], capsys)[0] == 0
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o604
+
+
+def test_json_dash_writes_standard_output(tiny, capsys):
+    code, out, err = run_cli(["run", tiny, "--json", "-"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["runs"][0]["variant"] == "default"
+    assert "Reuse" in err  # the tables move to stderr
+
+
+def test_trace_stats_json(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 600, "output_length": 3,
+                                 "hash_ids": [0, 1]}) + "\n")
+    code, out, _ = run_cli(["trace", "stats", trace, "--json", "-"], capsys)
+    assert code == 0 and json.loads(out)["requests"] == 1
+    code, _, err = run_cli(["trace", "stats", trace, "--json", tmp_path], capsys)
+    assert one_error(code, err).startswith(f"--json {tmp_path}: cannot write: a directory")
+
+
+def test_trace_convert_output(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 600, "output_length": 3,
+                                 "hash_ids": [0, 1]}) + "\n")
+    code, out, _ = run_cli(["trace", "convert", trace, "-", "-q"], capsys)
+    assert code == 0 and json.loads(out)["hash_ids"] == [0, 1]
+    code, _, err = run_cli(["trace", "convert", trace, tmp_path], capsys)
+    assert one_error(code, err).startswith(
+        f"trace convert OUTPUT {tmp_path}: cannot write: a directory")
+
+
+def test_tune_outputs_are_checked_before_the_study(tiny, tmp_path, capsys):
+    tiny.write_text(TINY + "tune:\n  space: {cache.tokens_per_block: {choices: [16, 32]}}\n"
+                    "  objectives: [{metric: hit_rate, direction: maximize}]\n")
+    db = tmp_path / "t.db"
+    code, _, err = run_cli(["tune", tiny, "-n", "1", "-q", "--storage", f"sqlite:///{db}",
+                            "--export-best", tmp_path], capsys)
+    assert one_error(code, err).startswith(f"--export-best {tmp_path}: cannot write: a directory")
+    code, _, err = run_cli(["tune", tiny, "-n", "1", "-q", "--storage", f"sqlite:///{db}",
+                            "--plots", tiny], capsys)
+    assert one_error(code, err) == (
+        f"--plots {tiny}: cannot write into it: a file, not a folder")
+    assert not db.exists()  # refused before the study was opened
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_unwritable_folder_is_refused_before_the_run(tiny, tmp_path, capsys):
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o555)
+    code, out, err = run_cli(["run", tiny, "--json", folder / "r.json"], capsys)
+    assert one_error(code, err) == (
+        f"--json {folder / 'r.json'}: cannot write: folder {folder} is not writable")
+
+
+def test_markdown_and_report_outputs_are_checked(tiny, tmp_path, capsys):
+    result = tmp_path / "r.json"
+    assert run_cli(["run", tiny, "--json", result, "-q"], capsys)[0] == 0
+    code, _, err = run_cli(["compare", result, result, "--markdown", tmp_path, "-q"], capsys)
+    assert one_error(code, err).startswith(f"--markdown {tmp_path}: cannot write: a directory")
+    code, out, _ = run_cli(["compare", result, result, "--markdown", "-", "-q"], capsys)
+    assert code == 0 and out.startswith("#")
+    code, _, err = run_cli(["report", result, "--out", result], capsys)
+    assert one_error(code, err) == (
+        f"--out {result}: cannot write into it: a file, not a folder")
+
+
+# --- 5. validate refuses what run refuses -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ("requests: {source: trace, path: nope.jsonl}",
+     "{d}/nope.jsonl: cannot read trace: No such file or directory"),
+    ("requests: {source: trace, path: bad.jsonl}", "{d}/bad.jsonl:2: invalid JSON at column 2"),
+    ("cache: {tokens_per_block: 16, max_tokens: 16}",
+     "{w}: cache.max_tokens: request 2 needs 5 blocks"),
+    ("run: {mode: serve}\nscheduler: {max_num_tokens: 8, max_batch_size: 16}",
+     "{w}: scheduler.max_batch_size (16) exceeds scheduler.max_num_tokens (8)"),
+])
+def test_validate_refuses_what_run_refuses(tmp_path, capsys, extra, expected):
+    (tmp_path / "bad.jsonl").write_text(
+        json.dumps({"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]})
+        + "\n{oops\n")
+    path = tmp_path / "w.yaml"
+    path.write_text(TINY + extra + "\n")
+    messages = []
+    for command in (["validate"], ["run", "-q"]):
+        code, _, err = run_cli([*command, path], capsys)
+        messages.append(one_error(code, err))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith(expected.format(d=tmp_path, w=path))
+
+
+def test_validate_takes_several_files(tiny, tmp_path, capsys):
+    other = tmp_path / "other.yaml"
+    other.write_text(TINY.replace("seed: 1", "seed: 2"))
+    code, out, _ = run_cli(["validate", tiny, other], capsys)
+    assert code == 0
+    assert out.splitlines() == [f"{tiny}: ok (cache mode; variants: default)",
+                                f"{other}: ok (cache mode; variants: default)"]
+
+
+# --- 6. exit 2 with a location -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("sets", "expected"), [
+    (["model.attention_window=100000000000000000000"],
+     "--set model.attention_window: expected a positive integer up to 2147483647"),
+    (["model.attention_window=[5, 6, 7]"],
+     "--set model.attention_window: expected at most model.num_layers=2 entries"),
+    (["cache.host_offload_ratio=1e9"], "{w}: the cache manager's block metadata would take"),
+    (["cache.host_offload_ratio=1e5", "cache.max_tokens=65536"],
+     "{w}: the cache manager's block metadata would take"),
+    (["requests.synthetic.num_requests=100000000000"],
+     "{w}: the synthetic requests' tokens would take"),
+])
+def test_sizes_are_checked_before_allocating(tiny, capsys, sets, expected):
+    args = [a for s in sets for a in ("--set", s)]
+    for command in ("validate", "run"):
+        code, _, err = run_cli([command, tiny, *args], capsys)
+        assert one_error(code, err).startswith(expected.format(w=tiny))
+
+
+def test_data_plane_tensors_are_sized_first(tiny, capsys):
+    pytest.importorskip("torch")
+    code, _, err = run_cli(["run", tiny, "--set", "run.backend=torch", "--set",
+                            f"cache.tokens_per_block={2**30}", "--set",
+                            f"cache.max_tokens={2**30}"], capsys)
+    assert "K/V tensors" in one_error(code, err)
+
+
+def test_gpu_cache_larger_than_the_preset_warns(tiny, capsys):
+    code, _, err = run_cli(["validate", tiny, "--set", "model.num_layers=64", "--set",
+                            "model.head_dim=4096", "--set", "cache.max_tokens=1048576"], capsys)
+    assert code == 0
+    assert err.strip() == (
+        f"kvbench: warning: {tiny}: cache.max_tokens: the GPU cache takes 1,024.0 GiB but a "
+        "H100-SXM has 79.6 GiB in all (variants: default)")
+
+
+def test_report_on_a_non_numeric_metric_leaves_nothing(tiny, tmp_path, capsys):
+    result = tmp_path / "r.json"
+    assert run_cli(["run", tiny, "--json", result, "-q"], capsys)[0] == 0
+    data = json.loads(result.read_text())
+    data["runs"][0]["metrics"]["hit_rate"] = "high"
+    result.write_text(json.dumps(data))
+    out_dir = tmp_path / "rep"
+    code, _, err = run_cli(["report", result, "--out", out_dir], capsys)
+    assert one_error(code, err) == (
+        f"{result}: run tiny/default: metric hit_rate: expected a finite number, got 'high'")
+    assert not out_dir.exists() or not any(out_dir.iterdir())
+
+
+@pytest.mark.parametrize(("storage", "expected"), [
+    ("journal:{d}", "--storage journal:{d}: expected a journal file, not a folder"),
+    ("foo://bar", "--storage foo://bar: unknown database 'foo'; expected sqlite:///FILE"),
+])
+def test_bad_tune_storage(tmp_path, capsys, storage, expected):
+    path = tmp_path / "t.yaml"
+    path.write_text(TINY + "tune:\n  space: {cache.tokens_per_block: {choices: [16, 32]}}\n"
+                    "  objectives: [{metric: hit_rate, direction: maximize}]\n")
+    code, _, err = run_cli(["tune", path, "-n", "1", "-q", "--storage",
+                            storage.format(d=tmp_path)], capsys)
+    assert one_error(code, err).startswith(expected.format(d=tmp_path))
+
+
+# --- paper cuts ----------------------------------------------------------------------------------
+
+
+def test_verify_off_is_the_word_off(tiny, capsys):
+    from kvbench.config import load_workload
+
+    assert load_workload(tiny, ["run.verify=off"]).run.verify == "off"
+    text = TINY.replace("progress: false", "progress: false, verify: off")
+    tiny.write_text(text)
+    assert load_workload(tiny).run.verify == "off"
+
+
+TRACE_WORKLOAD = """\
+model: {num_layers: 2, num_kv_heads: 1, num_q_heads: 1, head_dim: 8}
+requests: {source: trace, path: t.jsonl}
+"""
+
+
+@pytest.mark.parametrize(("text", "item", "expected"), [
+    (TRACE_WORKLOAD, "requests.synthetic.rate=3",
+     "requests.synthetic is not used: this workload reads requests from a trace"
+     " (requests.source: trace)"),
+    (TINY, "scheduler.max_num_tokens=64",
+     "the scheduler is not used in run.mode: cache (it runs in serve mode)"),
+])
+def test_set_into_an_unused_section_is_an_error(tmp_path, capsys, text, item, expected):
+    path = tmp_path / "w.yaml"
+    path.write_text(text)
+    code, _, err = run_cli(["validate", path, "--set", item], capsys)
+    assert one_error(code, err) == f"--set {item}: {expected}"
+
+
+def test_set_into_a_section_some_variant_uses_is_fine(tiny, capsys):
+    tiny.write_text(TINY + "variants:\n  - {name: c}\n  - {name: s, set: {run.mode: serve}}\n")
+    code, _, err = run_cli(["validate", tiny, "--set", "scheduler.max_num_tokens=64",
+                            "--set", "scheduler.max_batch_size=8"], capsys)
+    assert code == 0, err
+
+
+def test_variant_columns_show_what_ran(tiny, capsys):
+    tiny.write_text(TINY + "variants:\n  - {name: tpb-16}\n"
+                    "  - {name: tpb-32, set: {cache.tokens_per_block: 32}}\n")
+    code, out, _ = run_cli(["run", tiny, "--set", "cache.tokens_per_block=8"], capsys)
+    assert code == 0
+    assert "tokens_per_block=8" in out and "tokens_per_block=32" in out
+    assert "--set applies to every variant; a variant's own set wins" in out
+
+
+def test_tables_never_fold_a_number_when_piped(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")
+    path = tmp_path / "w.yaml"
+    path.write_text(TINY.replace("run: {seed: 1", "run: {mode: serve, seed: 1"))
+    code, out, _ = run_cli(["run", path], capsys)
+    assert code == 0
+    ttft = [line for line in out.splitlines() if "TTFT" in line]
+    assert len(ttft) == 1 and ttft[0].count(" / ") == 3  # all four numbers on one line
+    titles = [line.strip() for line in out.splitlines() if line.startswith("w: ")]
+    assert "w: Serving" in titles
+
+
+def test_memory_rows_are_named_for_sizing(tiny, capsys):
+    code, out, _ = run_cli(["run", tiny], capsys)
+    assert code == 0
+    for label in ("GPU cache size (blocks)", "GPU cache size (bytes)",
+                  "GPU blocks peak (in use)", "GPU bytes peak (in use)"):
+        assert label in out
+
+
+def test_version_help_examples_and_flags(capsys):
+    from kvbench import __version__
+
+    code, out, _ = run_cli(["--version"], capsys)
+    assert (code, out.strip()) == (0, f"kvbench {__version__}")
+    for command in (["run"], ["validate"], ["schema"], ["tune"], ["compare"], ["report"],
+                    ["trace", "stats"], ["trace", "convert"]):
+        code, out, _ = run_cli([*command, "--help"], capsys)
+        assert code == 0
+        assert "Examples:" in out and f"kvbench {' '.join(command)}" in out.split("Examples:")[1]
+        assert "<bool>" not in out
+
+
+def test_ctrl_c_says_interrupted(tmp_path):
+    path = tmp_path / "w.yaml"
+    path.write_text(TINY.replace("num_requests: 20", "num_requests: 2000000")
+                    .replace("max_tokens: 1024", "max_tokens: 65536"))
+    proc = subprocess.Popen([sys.executable, "-c", "from kvbench.cli import main; main()",
+                             "run", str(path), "-q"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "kvbench: interrupted"
+
+
+def test_shared_prefix_prompt_tokens_are_the_new_tokens():
+    from types import SimpleNamespace
+
+    from kvbench.traffic import generate
+
+    cfg = SimpleNamespace(generator="shared_prefix", num_requests=400, system_prompt_tokens=100,
+                          prompt_tokens=50, prompt_tokens_spread=0.5, output_tokens=10,
+                          num_users=4, turns=1, arrival="burst", rate=1.0, vocab_size=1000,
+                          profile_tokens=20)
+    lengths = [r.input_length for r in generate(cfg, 0)]
+    new = [n - 100 - 20 for n in lengths]
+    assert 45 < sum(new) / len(new) < 55 and min(new) >= 25 and max(new) <= 75

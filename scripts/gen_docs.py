@@ -23,10 +23,12 @@ edit by hand: change the field descriptions and run `python scripts/gen_docs.py`
 
 A workload is one YAML file. Every key below can also be set from the command line with
 `--set dotted.key=value` (the value is read as YAML). `kvbench schema` prints the same
-information as a JSON Schema for editor completion, `kvbench validate FILE` checks a file
-without running it. Unknown keys are errors, reported as `file:line:col: key: what was
-expected`. Semantics of the cache and the scheduler: [semantics.md](semantics.md); what a run
-reports: [results.md](results.md).
+information as a JSON Schema for editor completion, `kvbench validate FILE...` checks files
+as a run would (requests loaded, caches sized, memory checked) without running them. Unknown
+keys are errors, reported as `file:line:col: key: what was expected`, and so is an empty file
+or a `--set` into a section the workload does not use. A workload file holds at most 64 KiB,
+32 levels of nesting and 100,000 values with its YAML aliases expanded. Semantics of the cache
+and the scheduler: [semantics.md](semantics.md); what a run reports: [results.md](results.md).
 """
 
 RESULTS_HEAD = """\
@@ -36,7 +38,9 @@ RESULTS_HEAD = """\
 kvbench/results.py; do not edit by hand. -->
 
 `kvbench run ... --json PATH` writes one result file (`kvbench schema --result` prints its
-JSON Schema):
+JSON Schema). `PATH` may be `-` (standard output); a file is replaced atomically (a new one gets
+0666 less the umask, an existing one keeps its mode), a symlink is written through, and a
+directory, device or fifo is refused before the run, as for every output option:
 
 ```json
 {"schema_version": 1, "kvbench_version": "...",

@@ -203,6 +203,9 @@ def check_result(data, name: str) -> None:
     if data["schema_version"] != SCHEMA_VERSION:
         raise InputError(
             f"{name}: schema_version {data['schema_version']} is not {SCHEMA_VERSION}")
+    for key in ("workload", "environment"):
+        if not isinstance(data.get(key, {}), dict):
+            raise InputError(f"{name}: {key}: expected an object, got {type(data[key]).__name__}")
     runs = data["runs"]
     if not isinstance(runs, list):
         raise InputError(f"{name}: runs: expected a list of runs, got {type(runs).__name__}")

@@ -70,7 +70,7 @@ def test_a_result_compared_with_itself_passes(result, tmp_path, capsys):
     path = write(tmp_path / "r.json", result)
     code, out, _ = main(["compare", path, path], capsys)
     assert code == 0
-    assert out == "2 runs compared: 2 info, 60 ok (--all shows every row)\n"
+    assert out == "2 runs compared: 2 info, 62 ok (--all shows every row)\n"
     code, out, _ = main(["compare", path, path, "--all"], capsys)
     assert code == 0
     assert "hit_rate" in out and "regressed" not in out

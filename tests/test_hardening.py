@@ -428,3 +428,14 @@ def test_shared_prefix_prompt_tokens_are_the_new_tokens():
     lengths = [r.input_length for r in generate(cfg, 0)]
     new = [n - 100 - 20 for n in lengths]
     assert 45 < sum(new) / len(new) < 55 and min(new) >= 25 and max(new) <= 75
+
+
+def test_csv_trace_mixing_seconds_and_dates_is_bad_input(tmp_path, capsys):
+    # Found by the fuzz: comparing a date with a number raised TypeError (exit 1).
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n5,422,41\n"
+                     "2023-11-16 18:00:07.0000000,550,79\n")
+    code, _, err = run_cli(["trace", "stats", trace], capsys)
+    assert one_error(code, err) == (
+        f"{trace}:3: 'TIMESTAMP' '2023-11-16 18:00:07.0000000': expected seconds like the rows "
+        "before")

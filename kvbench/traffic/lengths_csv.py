@@ -73,6 +73,10 @@ class LengthsCsvReader(TraceReader):
                     continue
                 try:
                     ts, input_length, output_length = _row(row, columns)
+                    if prev is not None and isinstance(ts, datetime) != isinstance(prev, datetime):
+                        kind = "a date and time" if isinstance(prev, datetime) else "seconds"
+                        raise BadField(f"'{columns[0][1]}' {row[columns[0][0]].strip()!r}: "
+                                       f"expected {kind} like the rows before")
                     if prev is not None and ts < prev:
                         raise BadField(f"'{columns[0][1]}' {row[columns[0][0]].strip()} is before "
                                        "the previous row's")

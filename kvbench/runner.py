@@ -192,6 +192,7 @@ def _check_sizes(wl: Workload, requests: list[Request]) -> None:
         gpu = sum(s.num_gpu_blocks * layers * page for s, layers in pools)
         host = sum(s.num_host_blocks * layers * page for s, layers in pools)
         gpu += sum(s.num_gpu_blocks for s, _ in pools) * draft_block_bytes(wl)
+        gpu += _cross_blocks(wl) * block_bytes(wl)  # the cross-attention pool's tensor
         _check_tensors(wl, gpu, host)
 
 

@@ -439,3 +439,16 @@ def test_csv_trace_mixing_seconds_and_dates_is_bad_input(tmp_path, capsys):
     assert one_error(code, err) == (
         f"{trace}:3: 'TIMESTAMP' '2023-11-16 18:00:07.0000000': expected seconds like the rows "
         "before")
+
+
+@pytest.mark.parametrize(("name", "text"), [
+    ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n5,422,999999999999999999999999\n"),
+    ("t.jsonl", json.dumps({"timestamp": 0, "input_length": 600, "output_length": 2**70,
+                            "hash_ids": [0, 1]}) + "\n"),
+])
+def test_trace_output_lengths_are_bounded(tmp_path, capsys, name, text):
+    # Found by the fuzz: an output length past int64 overflowed trace stats (exit 1).
+    trace = tmp_path / name
+    trace.write_text(text)
+    code, _, err = run_cli(["trace", "stats", trace], capsys)
+    assert "must be in [0, 16777215]" in one_error(code, err)

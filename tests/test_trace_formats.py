@@ -286,7 +286,7 @@ _DROP = object()
 JSONL_BAD = [
     ("mooncake", MOONCAKE_OK, dict(timestamp="1"), "'timestamp' must be a number (ms), got \"1\""),
     ("mooncake", MOONCAKE_OK, dict(input_length=_DROP), "missing field 'input_length'"),
-    ("mooncake", MOONCAKE_OK, dict(output_length=-1), "'output_length' must be >= 0, got -1"),
+    ("mooncake", MOONCAKE_OK, dict(output_length=-1), "'output_length' must be in [0, 16777215], got -1"),
     ("mooncake", MOONCAKE_OK, dict(hash_ids=[1, [2]]),
      "'hash_ids' must hold integers or strings, got [2]"),
     ("bailian", BAILIAN_OK, dict(chat_id="x"), "'chat_id' must be an integer, got \"x\""),

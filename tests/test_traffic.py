@@ -153,7 +153,7 @@ BAD_LINES = [
     (line(out="7"), "'output_length' must be an integer, got \"7\""),
     (line(inp=0, ids=[]), "'input_length' must be in [1, 16777215], got 0"),
     (line(inp=-3, ids=[]), "'input_length' must be in [1, 16777215], got -3"),
-    (line(out=-1), "'output_length' must be >= 0, got -1"),
+    (line(out=-1), "'output_length' must be in [0, 16777215], got -1"),
     (line(ids=7), "'hash_ids' must be a list of integers or strings, got 7"),
     (line(ids=[0]), "'hash_ids' has 1 ids, but input_length 600 needs 2 (blocks of 512 tokens)"
                     "; it fits requests.hash_ids_cover: floor"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvbench.traffic.mooncake import MAX_INPUT_LENGTH
+from kvbench.traffic.mooncake import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH
 from kvbench.traffic.request import Request
 from kvbench.traffic.tracefile import (
     BadField,
@@ -51,7 +51,7 @@ class BailianReader(HashIdReader):
                 if ts < prev_ts:
                     raise BadField(f"timestamp {ts} is before the previous request's {prev_ts}")
                 input_length = need_int(obj, "input_length", 1, MAX_INPUT_LENGTH - 1)
-                output_length = need_int(obj, "output_length", 0)
+                output_length = need_int(obj, "output_length", 0, MAX_OUTPUT_LENGTH)
                 need_str(obj, "type")
                 need_int(obj, "turn", 0)
                 ids = chained_hash_ids(obj, table, self.cover, input_length, lineno)

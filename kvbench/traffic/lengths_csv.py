@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbench.traffic.mooncake import MAX_INPUT_LENGTH
+from kvbench.traffic.mooncake import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH
 from kvbench.traffic.request import Request
 from kvbench.traffic.tracefile import (
     UNKNOWN_BLOCK_TOKENS,
@@ -112,7 +112,7 @@ def _row(row: list[str], columns: tuple[tuple[int, str], ...]):
         raise BadField(f"expected at least {width} columns, got {len(row)}")
     ts = _timestamp(row[t_col].strip(), t_name)
     input_length = _int(row[in_col].strip(), in_name, 1, MAX_INPUT_LENGTH - 1)
-    output_length = _int(row[out_col].strip(), out_name, 0, None)
+    output_length = _int(row[out_col].strip(), out_name, 0, MAX_OUTPUT_LENGTH)
     return ts, input_length, output_length
 
 

@@ -41,6 +41,9 @@ from kvbench.traffic.tracefile import (
 TRACE_BLOCK_TOKENS = 512
 # Request packs (hash id, prefix end) into one int64 key; larger values would silently wrap.
 MAX_INPUT_LENGTH = 1 << _END_BITS
+MAX_OUTPUT_LENGTH = MAX_INPUT_LENGTH - 1
+"""Largest output length a trace may give (any reader): far above real outputs, and small
+enough that a trace's token totals never overflow the int64 arrays of `trace_stats`."""
 IDENTITY_IDS = 1 << 38
 
 
@@ -135,7 +138,7 @@ def _times_and_lengths(obj: dict, timed: bool, prev_ts: float) -> tuple[float, i
         if "session_id" in obj and type(sid) not in (int, str):
             raise BadField(f"'session_id' must be an integer or a string, got {show(sid)}")
     input_length = check_int("input_length", obj["input_length"], 1, MAX_INPUT_LENGTH - 1)
-    output_length = check_int("output_length", obj["output_length"], 0)
+    output_length = check_int("output_length", obj["output_length"], 0, MAX_OUTPUT_LENGTH)
     return ts, input_length, output_length
 
 

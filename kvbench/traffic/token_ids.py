@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbench.traffic.mooncake import MAX_INPUT_LENGTH
+from kvbench.traffic.mooncake import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH
 from kvbench.traffic.request import Request
 from kvbench.traffic.tracefile import (
     BadField,
@@ -52,7 +52,7 @@ class TokenIdsReader(TraceReader):
                 timed = "timestamp" in obj
             try:
                 tokens = _tokens(obj)
-                output = need_int(obj, "output_tokens", 0)
+                output = need_int(obj, "output_tokens", 0, MAX_OUTPUT_LENGTH)
                 if "task_id" in obj and type(obj["task_id"]) not in (int, str):
                     raise BadField(f"'task_id' must be an integer or a string, got "
                                    f"{show(obj['task_id'])}")

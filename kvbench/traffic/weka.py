@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvbench.errors import InputError
-from kvbench.traffic.mooncake import MAX_INPUT_LENGTH
+from kvbench.traffic.mooncake import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH
 from kvbench.traffic.request import Request
 from kvbench.traffic.tracefile import (
     MAX_BLOCK_TOKENS,
@@ -163,7 +163,7 @@ class WekaReader(TraceReader):
                 if models is not None and model is not None and model not in models:
                     raise BadField(f"'model' {show(model)} is not one of the file's 'models'")
                 check_int("in", need(req, "in"), 1, MAX_INPUT_LENGTH - 1)
-                check_int("out", need(req, "out"), 0)
+                check_int("out", need(req, "out"), 0, MAX_OUTPUT_LENGTH)
                 need(req, "hash_ids")
             yield base + t, req, model, req.line
 

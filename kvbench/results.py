@@ -206,17 +206,23 @@ def check_result(data, name: str) -> None:
     for key in ("workload", "environment"):
         if not isinstance(data.get(key, {}), dict):
             raise InputError(f"{name}: {key}: expected an object, got {type(data[key]).__name__}")
+    if not isinstance((data.get("workload") or {}).get("name", ""), str):
+        raise InputError(f"{name}: workload.name: expected a string")
     runs = data["runs"]
     if not isinstance(runs, list):
         raise InputError(f"{name}: runs: expected a list of runs, got {type(runs).__name__}")
     entries = data.get("workloads") or []
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise InputError(f"{name}: workloads: expected a list of {{name, path, sha256}}")
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
+        raise InputError(f"{name}: workloads: expected a list of {{name, path, sha256}} with "
+                         "string names")
     check_unique_names([(e.get("name"), f"{name}: workloads[{i}]")
                         for i, e in enumerate(entries)])
     for i, run in enumerate(runs):
-        if not isinstance(run, dict) or not isinstance(run.get("variant"), str):
-            raise InputError(f"{name}: runs[{i}]: expected an object with a variant name")
+        if not isinstance(run, dict) or not isinstance(run.get("variant"), str) or not \
+                isinstance(run.get("workload", ""), str):
+            raise InputError(f"{name}: runs[{i}]: expected an object with a variant name "
+                             "(and a workload name, if any, as a string)")
         where = f"{name}: run {run_workload(data, run)}/{run['variant']}"
         for key in ("metrics", "config", "timeline"):
             if not isinstance(run.get(key, {}), dict):

@@ -452,3 +452,26 @@ def test_trace_output_lengths_are_bounded(tmp_path, capsys, name, text):
     trace.write_text(text)
     code, _, err = run_cli(["trace", "stats", trace], capsys)
     assert "must be in [0, 16777215]" in one_error(code, err)
+
+
+@pytest.mark.parametrize("change", [
+    {"environment": 1.0}, {"workloads": [{"name": []}]}, {"workload": {"name": [1]}},
+])
+def test_compare_refuses_results_of_the_wrong_shape(tiny, tmp_path, capsys, change):
+    # Found by the fuzz: each of these raised AttributeError or TypeError (exit 1).
+    result = tmp_path / "r.json"
+    assert run_cli(["run", tiny, "--json", result, "-q"], capsys)[0] == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**json.loads(result.read_text()), **change}))
+    code, _, err = run_cli(["compare", result, bad, "-q"], capsys)
+    assert one_error(code, err).startswith(f"{bad}: ")
+
+
+def test_a_run_with_a_list_for_its_workload_name_is_refused(tiny, tmp_path, capsys):
+    result = tmp_path / "r.json"
+    assert run_cli(["run", tiny, "--json", result, "-q"], capsys)[0] == 0
+    data = json.loads(result.read_text())
+    data["runs"][0]["workload"] = ["x"]
+    result.write_text(json.dumps(data))
+    code, _, err = run_cli(["report", result, "--out", tmp_path / "rep"], capsys)
+    assert one_error(code, err).startswith(f"{result}: runs[0]: expected an object")

@@ -57,10 +57,12 @@ def metrics_tables(title: str, runs: list[tuple[str, dict]],
 
 
 def print_wide(console: Console, table: Table, *, limit: int = 10_000) -> None:
-    """Print `table` without folding a cell: headers wrap at spaces to their column's widest
-    cell, cells never wrap, and a table wider than the console is printed whole (up to `limit`
-    columns: a terminal scrolls it, a file or pipe gets whole lines), never a number split over
-    two lines."""
+    """Print `table` without folding a cell or its title: headers wrap at spaces to their
+    column's widest cell, cells never wrap, and a table wider than the console is printed
+    whole (up to `limit` columns: a terminal scrolls it, a file or pipe gets whole lines),
+    never a number split over two lines."""
+    if isinstance(table.title, str):
+        table.title = Text(table.title, no_wrap=True, overflow="ignore")
     for column in table.columns:
         cells = [cell_len(c) for c in column.cells if isinstance(c, str)]
         if isinstance(column.header, str) and cells:

@@ -111,13 +111,22 @@ class FreeQueue:
         `stamps` is given (a policy takes a run of victims at once: a queue ordered by a stamp,
         or the heads a per-block mark lets go)."""
         out: list[BlockId] = []
+        append = out.append
         s = self._sentinel0 + level
         nxt, prv, lv = self._next, self._prev, self._level
         b = nxt[s]
-        while b != s and len(out) < n and (stamps is None or stamps[b] <= max_stamp):
-            out.append(b)
-            lv[b] = _NONE
-            b = nxt[b]
+        if stamps is None:
+            while b != s and n:
+                append(b)
+                lv[b] = _NONE
+                b = nxt[b]
+                n -= 1
+        else:
+            while b != s and n and stamps[b] <= max_stamp:
+                append(b)
+                lv[b] = _NONE
+                b = nxt[b]
+                n -= 1
         nxt[s] = b
         prv[b] = s
         if b == s:

@@ -19,12 +19,18 @@ before their parents and orphans are rare.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from operator import itemgetter
+
 from ..free_queue import FreeQueue
 from ..ids import BlockId, BlockKey
 from ..radix import PrefixIndex
 
 
 _NO_BOUND = 1 << 62
+
+key_of = itemgetter(0)
+"""A stored record's block key (None for a partial block)."""
 
 
 class KeyHistory:
@@ -46,6 +52,22 @@ class KeyHistory:
 
     def __len__(self) -> int:
         return len(self.map)
+
+    def lookup_chain(self, stored: list, blocks: list[BlockId]) -> tuple[list, list]:
+        """The keys of a release's `blocks` (deepest first) and their entries (None: not
+        remembered), both shallowest first, as the sequence touched them. Keys in a chain
+        are distinct, so every lookup may come before the release records its uses."""
+        keys = list(map(key_of, map(stored.__getitem__, reversed(blocks))))
+        return keys, list(map(self.map.get, keys))
+
+    def record_chain(self, keys: list, entries: list[int], clock: int) -> None:
+        """Write `entries` for `keys` (from `lookup_chain`; a partial block's key None is not
+        remembered), advance the clock to `clock` and settle."""
+        m = self.map
+        m.update(zip(keys, entries))
+        m.pop(None, None)
+        self.clock = clock
+        self.settle()
 
     def settle(self) -> None:
         """Drop old keys if the map is full (call after writing to `map` directly)."""
@@ -96,16 +118,19 @@ class ClassQueuePolicy:
             return
         classes, stamp = self._classify(blocks)
         cls, stamps, queues = self.cls, self.stamp, self.queues
+        for b in blocks:
+            stamps[b] = stamp
         # A chain's classes only grow towards its root (the deepest block comes first), so
         # the release splits into a few runs of one class each.
-        start, current = 0, classes[0]
-        for i, (b, c) in enumerate(zip(blocks, classes)):
-            cls[b] = c
-            stamps[b] = stamp
-            if c != current:
-                queues[current].push_back_many(blocks[start:i], priority)
-                start, current = i, c
-        queues[current].push_back_many(blocks[start:], priority)
+        start, n = 0, len(blocks)
+        while start < n:
+            c = classes[start]
+            end = bisect_right(classes, c, start)
+            run = blocks[start:end]
+            for b in run:
+                cls[b] = c
+            queues[c].push_back_many(run, priority)
+            start = end
         self._size += len(blocks)
 
     def remove(self, block: BlockId) -> None:
@@ -154,8 +179,8 @@ class ClassQueuePolicy:
     # --- for subclasses -------------------------------------------------------------------
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[int], int]:
-        """Classes of a release's `blocks` (deepest first) and the release's stamp (an int
-        that never decreases from one release to the next)."""
+        """Classes of a release's `blocks` (deepest first), none above its parent's, and the
+        release's stamp (an int that never decreases from one release to the next)."""
         raise NotImplementedError
 
     def _now(self) -> int:
@@ -172,15 +197,6 @@ class ClassQueuePolicy:
 
     def _evicted(self, blocks: list[BlockId], cls: int) -> None:
         """Called with each run of victims, in eviction order."""
-
-    @staticmethod
-    def _chain_capped(classes: list[int]) -> list[int]:
-        """`classes` of a release (deepest block first) with none above its parent's: a
-        running minimum from the shallowest block down the chain."""
-        for i in range(len(classes) - 2, -1, -1):
-            if classes[i] > classes[i + 1]:
-                classes[i] = classes[i + 1]
-        return classes
 
     def _check_sanity(self) -> bool:
         assert sum(len(q) for q in self.queues) == self._size

@@ -50,27 +50,29 @@ class GDSFPolicy(ClassQueuePolicy):
         self._weight = int(params.freq_weight * _UNIT)
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[int], int]:
-        stored, hist = self.index.stored, self.history
-        seen_map = hist.map
+        hist = self.history
+        keys, earlier = hist.lookup_chain(self.index.stored, blocks)
         top = self.params.max_freq
         clock = hist.clock
         classes: list[int] = []
-        append, get = classes.append, seen_map.get
-        for b in reversed(blocks):  # shallowest first, as the sequence touched them
+        entries: list[int] = []
+        add_class, add_entry = classes.append, entries.append
+        cap = top
+        for seen in earlier:  # shallowest first, as the sequence touched them
             clock += 1
-            key = stored[b][0]
-            n = 1
-            if key is not None:
-                seen = get(key)
-                if seen is not None:
-                    was = seen & 255
-                    n = was + 1 if was < top else top
-                seen_map[key] = (clock << 8) | n
-            append(n)
-        hist.clock = clock
-        hist.settle()
+            if seen is None:
+                add_entry((clock << 8) | 1)
+                cap = 1
+            else:
+                was = seen & 255
+                n = was + 1 if was < top else top
+                add_entry((clock << 8) | n)
+                if n < cap:  # never above the parent
+                    cap = n
+            add_class(cap)
+        hist.record_chain(keys, entries, clock)
         classes.reverse()
-        return self._chain_capped(classes), self.inflation
+        return classes, self.inflation
 
     def _now(self) -> int:
         return self.inflation

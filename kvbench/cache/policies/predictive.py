@@ -67,33 +67,36 @@ class PredictivePolicy(ClassQueuePolicy):
         return (self.reuses[cls] + p.prior * p.prior_weight) / (self.uses[cls] + p.prior_weight)
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[int], int]:
-        stored, hist = self.index.stored, self.history
-        seen_map = hist.map
-        uses, reuses, horizon = self.uses, self.reuses, self._horizon
+        hist = self.history
+        keys, earlier = hist.lookup_chain(self.index.stored, blocks)
+        reuses, horizon = self.reuses, self._horizon
         top = self.params.max_class
         stamp = clock = hist.clock
         classes: list[int] = []
-        append, get = classes.append, seen_map.get
-        for b in reversed(blocks):  # shallowest first, as the sequence touched them
+        entries: list[int] = []
+        add_class, add_entry = classes.append, entries.append
+        cap = top
+        uses = self.uses
+        uses[1] += earlier.count(None)
+        for seen in earlier:  # shallowest first, as the sequence touched them
             clock += 1
-            key = stored[b][0]
-            cls = 1
-            if key is not None:
-                seen = get(key)
-                if seen is not None:
-                    was = seen & 255
-                    if clock - (seen >> 8) <= horizon:
-                        reuses[was] += 1
-                    cls = was + 1 if was < top else top
-                # Entry: (clock of this use << 8) | its class.
-                seen_map[key] = (clock << 8) | cls
-            uses[cls] += 1
-            append(cls)
-        hist.clock = clock
-        hist.settle()
+            if seen is None:
+                add_entry((clock << 8) | 1)  # (clock of this use << 8) | its class
+                cap = 1
+            else:
+                was = seen & 255
+                if clock - (seen >> 8) <= horizon:
+                    reuses[was] += 1
+                cls = was + 1 if was < top else top
+                uses[cls] += 1
+                add_entry((clock << 8) | cls)
+                if cls < cap:  # never above the parent
+                    cap = cls
+            add_class(cap)
+        hist.record_chain(keys, entries, clock)
         self._update_shifts()
         classes.reverse()
-        return self._chain_capped(classes), stamp
+        return classes, stamp
 
     def _update_shifts(self) -> None:
         shift, scale = self._shift, self._scale

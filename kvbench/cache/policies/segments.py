@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..free_queue import FreeQueue
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import KeyHistory
+from .base import KeyHistory, key_of
 
 
 class _TwoQueues:
@@ -89,31 +89,29 @@ class SLRUPolicy(_TwoQueues):
         self._cap = int(params.protected_ratio * capacity)
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
-        hist, hit, in_second, stored = self.history, self._hit, self._in_second, self.index.stored
+        hist, hit, in_second, last = self.history, self._hit, self._in_second, self._rec
         seen = hist.map
-        clock = hist.clock
+        recs = list(map(self.index.stored.__getitem__, blocks))
+        keys = list(map(key_of, recs))
         probation: list[BlockId] = []
         protected: list[BlockId] = []
-        last = self._rec
-        for b in reversed(blocks):  # shallowest first, as the sequence touched them
-            clock += 1
-            rec = stored[b]
-            key = rec[0]
+        to_probation, to_protected = probation.append, protected.append
+        # Keys in a chain are distinct, so whether a key was seen is decided before this
+        # release records its uses (one C-level update below, not a dict store per block).
+        for b, rec, key in zip(blocks, recs, keys):
             if rec is not last[b]:  # data it did not hold when last queued
                 last[b] = rec
-                protect = key is not None and key in seen
+                protect = key in seen  # (a partial block's key None is never recorded)
             else:
                 protect = hit[b] or in_second[b]
             hit[b] = 0
-            if key is not None:
-                seen[key] = clock << 8
             in_second[b] = protect
-            (protected if protect else probation).append(b)
-        hist.clock = clock
-        hist.settle()
-        # Back in release order (deepest first), so children stay ahead of their parents.
-        probation.reverse()
-        protected.reverse()
+            (to_protected if protect else to_probation)(b)
+        # The sequence touched its blocks shallowest first: one clock tick each.
+        clock = hist.clock
+        keys.reverse()
+        hist.record_chain(keys, range((clock + 1) << 8, (clock + len(keys) + 1) << 8, 256),
+                          clock + len(keys))
         self.first.push_back_many(probation, priority)
         second = self.second
         second.push_back_many(protected, priority)

@@ -21,9 +21,9 @@ from .base import KeyHistory, key_of
 
 class _TwoQueues:
     """What SLRU and S3-FIFO share: a `first` queue (probation / small), a `second` one
-    (protected / main), which data each block last held, and whether it was claimed since."""
+    (protected / main), and which data each block last held."""
 
-    __slots__ = ("index", "capacity", "first", "second", "history", "_rec", "_hit", "_in_second")
+    __slots__ = ("index", "capacity", "first", "second", "history", "_rec")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  history_ratio: float) -> None:
@@ -34,9 +34,6 @@ class _TwoQueues:
         self.history = KeyHistory(int(history_ratio * capacity))
         self._rec: list = [None] * id_space
         """The stored record a block held when last queued: a different one is new data."""
-        self._hit = bytearray(id_space)
-        """Claimed (reused) since it was last queued."""
-        self._in_second = bytearray(id_space)
 
     def __len__(self) -> int:
         return len(self.first) + len(self.second)
@@ -49,19 +46,15 @@ class _TwoQueues:
 
     def requeue(self, block: BlockId, priority: int) -> None:
         """To the back of its queue at level `priority` (its retention ended; not a use)."""
-        (self.second if self._in_second[block] else self.first).requeue(block, priority)
+        (self.second if block in self.second else self.first).requeue(block, priority)
 
     def remove(self, block: BlockId) -> None:
         """A claim: the block is in use (a hit, or a partial match being taken)."""
-        (self.second if self._in_second[block] else self.first).remove(block)
-        self._hit[block] = 1
+        (self.second if block in self.second else self.first).remove(block)
 
     def _check_sanity(self) -> bool:
-        for b in range(len(self._in_second)):
-            if b in self.first:
-                assert not self._in_second[b]
-            if b in self.second:
-                assert self._in_second[b]
+        for b in range(len(self._rec)):
+            assert not (b in self.first and b in self.second)
         return True
 
 
@@ -89,29 +82,27 @@ class SLRUPolicy(_TwoQueues):
         self._cap = int(params.protected_ratio * capacity)
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
-        hist, hit, in_second, last = self.history, self._hit, self._in_second, self._rec
+        hist, last = self.history, self._rec
         seen = hist.map
         recs = list(map(self.index.stored.__getitem__, blocks))
-        keys = list(map(key_of, recs))
         probation: list[BlockId] = []
         protected: list[BlockId] = []
         to_probation, to_protected = probation.append, protected.append
-        # Keys in a chain are distinct, so whether a key was seen is decided before this
-        # release records its uses (one C-level update below, not a dict store per block).
-        for b, rec, key in zip(blocks, recs, keys):
-            if rec is not last[b]:  # data it did not hold when last queued
+        # A block queued again with the data it held when last queued left the queue by a
+        # claim (eviction forgets the data), so it was reused while cached: protected. Keys in
+        # a chain are distinct, so whether a key was seen is decided before this release
+        # records its uses (one C-level update below, not a dict store per block).
+        for b, rec in zip(blocks, recs):
+            if rec is last[b]:
+                to_protected(b)
+            else:  # new data: protected if its key was used before (None never is)
                 last[b] = rec
-                protect = key in seen  # (a partial block's key None is never recorded)
-            else:
-                protect = hit[b] or in_second[b]
-            hit[b] = 0
-            in_second[b] = protect
-            (to_protected if protect else to_probation)(b)
+                (to_protected if rec[0] in seen else to_probation)(b)
         # The sequence touched its blocks shallowest first: one clock tick each.
-        clock = hist.clock
-        keys.reverse()
-        hist.record_chain(keys, range((clock + 1) << 8, (clock + len(keys) + 1) << 8, 256),
-                          clock + len(keys))
+        clock, n = hist.clock, len(recs)
+        recs.reverse()
+        hist.record_chain(list(map(key_of, recs)),
+                          range((clock + 1) << 8, (clock + n + 1) << 8, 256), clock + n)
         self.first.push_back_many(probation, priority)
         second = self.second
         second.push_back_many(protected, priority)
@@ -119,20 +110,17 @@ class SLRUPolicy(_TwoQueues):
         while excess > 0:  # demote protected's LRU end, one run per level
             level = second.lowest_level()
             run = second.pop_level_upto(level, excess)
-            for b in run:
-                in_second[b] = 0
             self.first.push_back_many(run, level)
             excess -= len(run)
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
-        first, second, in_second, rec = self.first, self.second, self._in_second, self._rec
+        first, second, rec = self.first, self.second, self._rec
         while len(out) < n and (len(first) or len(second)):
             lf, ls = first.lowest_level(), second.lowest_level()
             q, level = (first, lf) if lf <= ls else (second, ls)
             run = q.pop_level_upto(level, n - len(out))
             for b in run:
-                in_second[b] = 0
                 rec[b] = None
             out.extend(run)
         return out
@@ -157,7 +145,7 @@ class S3FIFOPolicy(_TwoQueues):
     Otherwise from the main FIFO: a head accessed since its last pass gets its count lowered
     and goes back to the tail (second chance), else it is evicted."""
 
-    __slots__ = ("params", "_target", "_freq")
+    __slots__ = ("params", "_target", "_freq", "_hit", "_in_second")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: S3FIFOParams) -> None:
@@ -165,6 +153,22 @@ class S3FIFOPolicy(_TwoQueues):
         self.params = params
         self._target = max(1, int(params.small_ratio * capacity))
         self._freq = bytearray(id_space)
+        self._hit = bytearray(id_space)
+        """Claimed (reused) since it was last queued."""
+        self._in_second = bytearray(id_space)
+        """In (or, while claimed, returning to) the main FIFO."""
+
+    def remove(self, block: BlockId) -> None:
+        (self.second if self._in_second[block] else self.first).remove(block)
+        self._hit[block] = 1
+
+    def _check_sanity(self) -> bool:
+        for b in range(len(self._in_second)):
+            if b in self.first:
+                assert not self._in_second[b]
+            if b in self.second:
+                assert self._in_second[b]
+        return True
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
         hit, in_second, freq, stored = self._hit, self._in_second, self._freq, self.index.stored

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvbench.cache.manager import CacheSpec, KVCacheManager, Sequence
+from kvbench.cache.manager import CacheSeq, CacheSpec, KVCacheManager
 from kvbench.config import ModelConfig, SchedulerConfig
 from kvbench.engine.clock import PRESETS, StepClock
 from kvbench.engine.scheduler import Phase, Scheduler
@@ -113,7 +113,7 @@ def test_estimate_equals_consumption(prompts, data):
     `grow_blocks`, on both add paths."""
     batch = data.draw(st.booleans())
     m = mgr(tpb=3, blocks=40, host=data.draw(st.sampled_from([0, 6])))
-    live: list[Sequence] = []
+    live: list[CacheSeq] = []
     for tokens in prompts:
         r = req(tokens, width=data.draw(st.integers(1, 4)))
         extra = data.draw(st.integers(0, 4))
@@ -279,7 +279,7 @@ def test_data_plane_verifies_every_beam(batch_add):
 def test_data_plane_catches_beams_sharing_their_own_block(monkeypatch):
     """If every beam wrote into beam 0's blocks, beam 0 would read another beam's KV."""
     p = plane(30)
-    monkeypatch.setattr(Sequence, "beam_blocks", lambda self, beam: self.blocks)
+    monkeypatch.setattr(CacheSeq, "beam_blocks", lambda self, beam: self.blocks)
     serve([req(list(range(10)), width=3, out=6, rid=0)], blocks=30, plane=p, bulk=False)
     assert p.metrics()["verified"] is False
 
@@ -337,7 +337,7 @@ def test_random_operations_keep_invariants(prompts, data):
     the manager stays sane after every operation, each sequence holds one block per shared
     position and one per beam per other position, and a grow takes exactly `grow_blocks`."""
     m = mgr(tpb=3, blocks=30, host=data.draw(st.sampled_from([0, 5])))
-    live: list[Sequence] = []
+    live: list[CacheSeq] = []
     for tokens in prompts:
         r = req(tokens, width=data.draw(st.integers(1, 3)))
         if m.estimate_add(r)[2] + m.grow_blocks(r, 0, r.input_length) <= m.gpu.num_free:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvbench.cache.manager import NO_BLOCK, AddPlan, CacheSpec, Sequence
+from kvbench.cache.manager import NO_BLOCK, AddPlan, CacheSeq, CacheSpec
 from kvbench.cache.windows import WindowedCacheManager, life_cycles, prefill_blocks_bound
 from kvbench.config import ModelConfig, SchedulerConfig
 from kvbench.engine.clock import PRESETS, StepClock
@@ -363,7 +363,7 @@ def test_data_plane_verifies_every_beam_in_every_pool(seed):
 def test_data_plane_catches_window_beams_sharing_their_own_block(monkeypatch):
     m = wmgr([4, 4], blocks=40, emit=True)
     p = plane_for(m)
-    monkeypatch.setattr(Sequence, "beam_blocks", lambda self, beam: self.blocks)
+    monkeypatch.setattr(CacheSeq, "beam_blocks", lambda self, beam: self.blocks)
     serve([req(list(range(10)), width=3, out=8, rid=0)], m, plane=p, bulk=False)
     assert p.metrics()["verified"] is False
 

@@ -117,7 +117,7 @@ class AddPlan(dict):
         more than it keeps until its phase 2 ends (before the step's chunks are allocated)."""
 
 NO_BLOCK = BlockId(-1)
-"""Placeholder in `Sequence.blocks` for a position that holds no block of this life cycle: a
+"""Placeholder in `CacheSeq.blocks` for a position that holds no block of this life cycle: a
 sliding window no longer (or never) needs it, or it is a scratch block (`windows.py`). It keeps
 the positions of the other blocks aligned with the sequence's tokens."""
 
@@ -146,7 +146,7 @@ def grow_blocks(tokens_per_block: int, request: Request, have: int, num_tokens: 
     return positions - have + own
 
 
-class Sequence:
+class CacheSeq:
     """One request's hold on the cache."""
 
     __slots__ = (
@@ -254,7 +254,7 @@ class KVCacheManager:
         self._moved: dict[BlockId, BlockId] = {}
         """Host block -> the GPU block it was onboarded to, within one add (several requests
         of a batch may have claimed the same host block)."""
-        self._live: set[Sequence] | None = None
+        self._live: set[CacheSeq] | None = None
 
     # --- public API -----------------------------------------------------------------------
 
@@ -287,14 +287,14 @@ class KVCacheManager:
                 prio[b] = DEFAULT_RETENTION_PRIORITY
                 fq.requeue(b, DEFAULT_RETENTION_PRIORITY)
 
-    def add_sequence(self, request: Request) -> Sequence:
+    def add_sequence(self, request: Request) -> CacheSeq:
         """Match, claim and onboard the request's reusable prefix (the sequential path)."""
         seq = self.claim_match(request, *self.match(request))
         self._onboard(seq)
         self._moved.clear()
         return seq
 
-    def add_sequences(self, requests: list[Request]) -> list[Sequence]:
+    def add_sequences(self, requests: list[Request]) -> list[CacheSeq]:
         """The two-phase batched add: claim the matches of all `requests` (phase 1), then
         onboard each (phase 2). Phase 2 may evict only blocks no request of the batch matched."""
         seqs = [self.claim_match(r, *self.match(r)) for r in requests]
@@ -303,7 +303,7 @@ class KVCacheManager:
         self._moved.clear()
         return seqs
 
-    def resize(self, seq: Sequence, num_tokens: int) -> bool:
+    def resize(self, seq: CacheSeq, num_tokens: int) -> bool:
         """Give `seq` blocks for `num_tokens` tokens. Returns False, allocating nothing, when
         the GPU pool cannot supply them; shrinking is not supported (use `release`)."""
         if num_tokens < seq.num_tokens:
@@ -348,11 +348,11 @@ class KVCacheManager:
         larger of the copy source it holds until phase 2 ends and the new blocks."""
         return [draws[0] + max(plan.transient, self.grow_blocks(request, positions, num_tokens))]
 
-    def grow_need(self, request: Request, seq: Sequence, num_tokens: int) -> list[int]:
+    def grow_need(self, request: Request, seq: CacheSeq, num_tokens: int) -> list[int]:
         """Per pool, the free GPU blocks `resize(seq, num_tokens)` takes (`seq` of `request`)."""
         return [self.grow_blocks(request, len(seq.blocks), num_tokens)]
 
-    def commit(self, seq: Sequence, num_computed: int) -> None:
+    def commit(self, seq: CacheSeq, num_computed: int) -> None:
         """Record that the first `num_computed` tokens of `seq` hold their KV; full blocks
         among them become reusable by other sequences."""
         if num_computed > seq.num_tokens:
@@ -375,7 +375,7 @@ class KVCacheManager:
                 self.index.insert_full(seq.blocks, keys, begin, end, parent, seq.request)
             seq.num_stored = end
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: CacheSeq) -> None:
         """Drop the sequence's hold; stored blocks stay cached, the deepest first in line for
         eviction (a request touches its blocks in order, so its deeper ones are the less
         valuable), the rest become empty."""
@@ -458,7 +458,7 @@ class KVCacheManager:
         # now stays claimed.
         return state == _TAKEN or state == _COPY_SOURCE
 
-    def shrink(self, seq: Sequence, num_tokens: int) -> int:
+    def shrink(self, seq: CacheSeq, num_tokens: int) -> int:
         """Undo `resize` down to `num_tokens` tokens before anything past them is computed
         (the revert of a deferred context request): the blocks beyond are returned. Returns
         how many blocks `seq` gave up."""
@@ -510,12 +510,12 @@ class KVCacheManager:
         return full, partial
 
     def claim_match(self, request: Request, full: list[BlockId],
-                    partial: tuple[BlockId, int] | None) -> Sequence:
+                    partial: tuple[BlockId, int] | None) -> CacheSeq:
         """Phase 1 for a match (from `match` or `match_capped`): a new sequence of `request`
         holding `full` (leading NO_BLOCK entries are positions it does not need) and the
         claimed `partial` block, so no eviction can take them; nothing is allocated.
         `onboard` completes the add."""
-        seq = Sequence(request, request.block_keys(self.tpb))
+        seq = CacheSeq(request, request.block_keys(self.tpb))
         for b in full:
             if b != NO_BLOCK:
                 self._claim(b)
@@ -530,24 +530,24 @@ class KVCacheManager:
         self._track(seq)
         return seq
 
-    def onboard(self, seqs: list[Sequence]) -> None:
+    def onboard(self, seqs: list[CacheSeq]) -> None:
         """Phase 2 for sequences from `claim_match`: onboard host hits and settle partial
         matches, as `add_sequences` does after claiming."""
         for seq in seqs:
             self._onboard(seq)
         self._moved.clear()
 
-    def hold_blocks(self, request: Request, num_tokens: int) -> Sequence:
+    def hold_blocks(self, request: Request, num_tokens: int) -> CacheSeq:
         """A one-beam sequence of `request` holding fresh GPU blocks for `num_tokens` tokens
         that it never stores (scratch slots, `windows.py`); the caller has checked that the
         pool has them."""
-        seq = Sequence(request, [], beam_width=1)
+        seq = CacheSeq(request, [], beam_width=1)
         self._track(seq)
         if not self.resize(seq, num_tokens):
             raise AssertionError("hold_blocks without the free blocks")
         return seq
 
-    def skip_blocks(self, seq: Sequence, n: int) -> None:
+    def skip_blocks(self, seq: CacheSeq, n: int) -> None:
         """Give the next `n` positions of `seq` no block of their own (NO_BLOCK): a caller
         serves them elsewhere (scratch slots) and they are never stored; `resize` then
         allocates only the positions after them."""
@@ -555,7 +555,7 @@ class KVCacheManager:
             seq.blocks.extend([NO_BLOCK] * n)
             seq.holes = True
 
-    def release_blocks(self, seq: Sequence, begin: int, end: int, keep_cached: bool = True) -> int:
+    def release_blocks(self, seq: CacheSeq, begin: int, end: int, keep_cached: bool = True) -> int:
         """Release blocks `[begin, end)` of a live sequence (those a sliding window no longer
         needs) in every beam, leaving NO_BLOCK in their place. A block no other sequence holds
         becomes free: with `keep_cached` a stored one joins the free queue as in `release`
@@ -591,7 +591,7 @@ class KVCacheManager:
         self.copy_ops.clear()
         return ops
 
-    def page_views(self, seq: Sequence, start: int, end: int) -> list[PageView]:
+    def page_views(self, seq: CacheSeq, start: int, end: int) -> list[PageView]:
         views = [PageView(0, 0, start, 0, seq.blocks, None)]
         own = max(start, seq.shared_blocks * self.tpb)
         if seq.beams and own < end:
@@ -708,7 +708,7 @@ class KVCacheManager:
     def _pool(self, b: BlockId) -> BlockPool:
         return self.gpu if b < self.gpu.capacity else self.host
 
-    def _onboard(self, seq: Sequence) -> None:
+    def _onboard(self, seq: CacheSeq) -> None:
         """Phase 2: bring host hits to the GPU and settle the partial match. A host hit that
         cannot get a GPU block ends the reuse there (the rest is recomputed)."""
         blocks, g = seq.blocks, self.gpu.capacity
@@ -739,12 +739,12 @@ class KVCacheManager:
                 self._unclaim(b)
         seq.reused_tokens = seq.num_computed = seq.num_tokens = reused
 
-    def _phase2_failed(self, seq: Sequence, what: str) -> None:
+    def _phase2_failed(self, seq: CacheSeq, what: str) -> None:
         if self.spec.strict_phase2:
             raise Phase2AllocationError(seq.request.id, what)
         self.phase2_alloc_failures += 1
 
-    def _drop_claims(self, seq: Sequence, keep: int) -> None:
+    def _drop_claims(self, seq: CacheSeq, keep: int) -> None:
         for b in seq.blocks[keep:]:
             self._unclaim(self._moved.get(b, b))
         del seq.blocks[keep:]
@@ -799,7 +799,7 @@ class KVCacheManager:
         (never grown), so it is shared as it is, like a full block."""
         return self.spec.cross_kv and b < self.gpu.capacity and n == self.index.num_tokens(b)
 
-    def _reuse_partial(self, seq: Sequence, b: BlockId, n: int) -> int:
+    def _reuse_partial(self, seq: CacheSeq, b: BlockId, n: int) -> int:
         """Settle a claimed partial match: share a complete cross-attention tail; take the
         block itself when nobody else can need it (only this claim, no children, on the GPU),
         else copy its first `n` tokens into a fresh block. Returns the tokens reused."""
@@ -957,7 +957,7 @@ class KVCacheManager:
         if self.spec.emit_copy_ops:
             self.copy_ops.append(CopyOp(kind, src_tier, src, dst_tier, dst, num_tokens))
 
-    def _store_tail(self, seq: Sequence) -> None:
+    def _store_tail(self, seq: CacheSeq) -> None:
         """Keep the computed, unfilled last block for partial reuse."""
         tpb = self.tpb
         i, n = divmod(seq.num_computed, tpb)
@@ -970,7 +970,7 @@ class KVCacheManager:
         parent = seq.keys[i - 1] if i else request.root_key
         self.index.insert_partial(b, parent, request, i, n)
 
-    def _insert_around_holes(self, seq: Sequence, begin: int, end: int) -> None:
+    def _insert_around_holes(self, seq: CacheSeq, begin: int, end: int) -> None:
         """`insert_full` of the blocks of `[begin, end)`, one run between holes at a time;
         keys chain the whole prefix, so a run's parent key is valid though its block is not
         here."""
@@ -987,11 +987,11 @@ class KVCacheManager:
             self.index.insert_full(blocks, keys, i, j, parent, seq.request)
             i = j
 
-    def _track(self, seq: Sequence) -> None:
+    def _track(self, seq: CacheSeq) -> None:
         if self._live is not None:
             self._live.add(seq)
 
-    def _untrack(self, seq: Sequence) -> None:
+    def _untrack(self, seq: CacheSeq) -> None:
         if self._live is not None:
             self._live.discard(seq)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .manager import KVCacheManager, Sequence
+from .manager import CacheSeq, KVCacheManager
 
 if TYPE_CHECKING:
     from ..traffic.request import Request
@@ -30,43 +30,43 @@ class MirroredCacheManager:
                              " and block count")
         self.target = target
         self.draft = draft
-        self._draft_of: dict[Sequence, Sequence] = {}
+        self._draft_of: dict[CacheSeq, CacheSeq] = {}
 
     def __getattr__(self, name: str):
         return getattr(self.target, name)
 
     # --- the calls both caches get ----------------------------------------------------------
 
-    def add_sequence(self, request: Request) -> Sequence:
+    def add_sequence(self, request: Request) -> CacheSeq:
         seq = self.target.add_sequence(request)
         self._draft_of[seq] = self.draft.add_sequence(request)
         return seq
 
-    def add_sequences(self, requests: list[Request]) -> list[Sequence]:
+    def add_sequences(self, requests: list[Request]) -> list[CacheSeq]:
         seqs = self.target.add_sequences(requests)
         for seq, d in zip(seqs, self.draft.add_sequences(requests)):
             self._draft_of[seq] = d
         return seqs
 
-    def resize(self, seq: Sequence, num_tokens: int) -> bool:
+    def resize(self, seq: CacheSeq, num_tokens: int) -> bool:
         ok = self.target.resize(seq, num_tokens)
         if ok and not self.draft.resize(self._draft_of[seq], num_tokens):
             raise AssertionError("the draft cache diverged from the target's")
         return ok
 
-    def commit(self, seq: Sequence, num_computed: int) -> None:
+    def commit(self, seq: CacheSeq, num_computed: int) -> None:
         self.target.commit(seq, num_computed)
         self.draft.commit(self._draft_of[seq], num_computed)
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: CacheSeq) -> None:
         self.target.release(seq)
         self.draft.release(self._draft_of.pop(seq))
 
-    def shrink(self, seq: Sequence, num_tokens: int) -> int:
+    def shrink(self, seq: CacheSeq, num_tokens: int) -> int:
         self.draft.shrink(self._draft_of[seq], num_tokens)
         return self.target.shrink(seq, num_tokens)
 
-    def draft_of(self, seq: Sequence) -> Sequence:
+    def draft_of(self, seq: CacheSeq) -> CacheSeq:
         """The draft cache's sequence of the same request."""
         return self._draft_of[seq]
 

@@ -62,14 +62,14 @@ block is the one page `slot * num_layers + slice` in every layer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .ids import BlockId, CopyOp
-from .manager import (NO_BLOCK, AddPlan, CacheSpec, KVCacheManager, Sequence, grow_blocks,
+from .manager import (NO_BLOCK, AddPlan, CacheSeq, CacheSpec, KVCacheManager, grow_blocks,
                       shared_blocks)
 from .protocol import PageView
 
@@ -106,7 +106,7 @@ class LifeCycle:
         return max(0, position - self.window + 1) // tokens_per_block
 
 
-def life_cycles(layer_windows: Seq[int | None]) -> tuple[LifeCycle, ...]:
+def life_cycles(layer_windows: Sequence[int | None]) -> tuple[LifeCycle, ...]:
     """One life cycle per distinct window of `layer_windows` (one entry per model layer, as
     `ModelConfig.layer_windows`): full attention first, then windows ascending."""
     by_window: dict[int | None, list[int]] = {}
@@ -117,8 +117,8 @@ def life_cycles(layer_windows: Seq[int | None]) -> tuple[LifeCycle, ...]:
 
 
 def split_gpu_blocks(
-    cycles: Seq[LifeCycle], budget_bytes: int, slot_bytes: Seq[int], context_tokens: int, *,
-    policy: str = "window", min_blocks: Seq[int] | None = None,
+    cycles: Sequence[LifeCycle], budget_bytes: int, slot_bytes: Sequence[int], context_tokens: int, *,
+    policy: str = "window", min_blocks: Sequence[int] | None = None,
 ) -> list[int]:
     """GPU blocks per life cycle for a byte budget. Each pool gets a share of the budget in
     proportion to its weight (`SPLIT_POLICIES`; `context_tokens` is the typical context a
@@ -185,13 +185,13 @@ class WindowedSequence:
         "partial_tokens",
     )
 
-    def __init__(self, request: Request, seqs: list[Sequence], reused: int) -> None:
+    def __init__(self, request: Request, seqs: list[CacheSeq], reused: int) -> None:
         self.request = request
         self.seqs = seqs
         """Per pool, the life cycle's sequence (NO_BLOCK where it holds nothing)."""
         self.low = [0] * len(seqs)
         """Per pool, blocks before this one are released or were never claimed."""
-        self.scratch: list[Sequence | None] = [None] * len(seqs)
+        self.scratch: list[CacheSeq | None] = [None] * len(seqs)
         """Per pool, the current step's scratch slots (held as a block-only sequence)."""
         self.scratch_pages: list[dict[int, int] | None] = [None] * len(seqs)
         """Per pool, block index -> the page (in every layer) of each scratch block."""
@@ -212,7 +212,7 @@ class WindowedSequence:
     @property
     def num_blocks(self) -> int:
         """Block positions spanned, each extra beam's own ones included (as
-        `Sequence.num_blocks`; every pool spans the same)."""
+        `CacheSeq.num_blocks`; every pool spans the same)."""
         return self.seqs[0].num_blocks
 
     @property
@@ -221,7 +221,7 @@ class WindowedSequence:
 
     @property
     def shared_blocks(self) -> int:
-        """Leading block positions the beams share (`Sequence.shared_blocks`)."""
+        """Leading block positions the beams share (`CacheSeq.shared_blocks`)."""
         return self.seqs[0].shared_blocks
 
 
@@ -237,7 +237,7 @@ class WindowedCacheManager:
     )
 
     def __init__(
-        self, cycles: Seq[LifeCycle], specs: Seq[CacheSpec], *,
+        self, cycles: Sequence[LifeCycle], specs: Sequence[CacheSpec], *,
         release_out_of_window: str = "keep_cached", swa_scratch_reuse: bool = False,
         bytes_per_token_per_layer: int = 1, reserve_tokens: int = 0,
     ) -> None:
@@ -677,7 +677,7 @@ class WindowedCacheManager:
             raise AssertionError("window match lost its blocks")
         return end, (full, partial)
 
-    def _without_reuse(self, request: Request, seqs: list[Sequence]) -> list[Sequence]:
+    def _without_reuse(self, request: Request, seqs: list[CacheSeq]) -> list[CacheSeq]:
         self.reuse_fallbacks += 1
         out = []
         for m, seq in zip(self.managers, seqs):

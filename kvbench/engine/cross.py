@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache.manager import KVCacheManager, Sequence
+from ..cache.manager import CacheSeq, KVCacheManager
 from ..kernels.step import CrossKV, StepItem
 from ..traffic.request import Request, namespace_salt
 
@@ -33,7 +33,7 @@ class CrossTally:
         self.requests = self.encoder_tokens = self.reused_tokens = 0
         self.reused_full_blocks = self.reused_partial_blocks = 0
 
-    def count(self, seq: Sequence) -> None:
+    def count(self, seq: CacheSeq) -> None:
         self.requests += 1
         self.encoder_tokens += seq.request.input_length
         self.reused_tokens += seq.reused_tokens
@@ -73,7 +73,7 @@ def cross_ops(plane, cross: KVCacheManager, ops: dict) -> None:
         ops.setdefault(plane.cross_pool, []).extend(pending)
 
 
-def cross_step(request_id: int, cseq: Sequence, tokens: np.ndarray, first: bool,
+def cross_step(request_id: int, cseq: CacheSeq, tokens: np.ndarray, first: bool,
                encoder: list[StepItem]) -> CrossKV:
     """A request's cross-attention work in a data-plane step (before `cross.commit`): appends
     the encoder write of its `first` step (positions past what the input reused) to

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from ..cache.manager import AddPlan
 
 if TYPE_CHECKING:
-    from ..cache.manager import KVCacheManager, Sequence
+    from ..cache.manager import CacheSeq, KVCacheManager
     from ..cache.protocol import CacheManager
     from ..config import SchedulerConfig
     from ..traffic.request import Request, StreamView
@@ -77,7 +77,7 @@ class ServeRequest:
         """Tokens the current context phase prefills: the prompt, or after a preemption the
         prompt and the tokens generated so far (recomputed)."""
         self.view: StreamView = request.view(self.context_len)
-        self.seq: Sequence | None = None
+        self.seq: CacheSeq | None = None
         self.generated = 0
         self.pre_tokens = -1
         """Tokens `seq` had blocks for before its pending chunk was allocated (-1: none
@@ -99,7 +99,7 @@ class ServeRequest:
         """Draft tokens it verifies in the current decode step (speculative decoding)."""
         self.draft_reuse = (0, 0)
         """(full blocks, partial blocks) the draft model's cache reused, with `reused`."""
-        self.cross_seq: Sequence | None = None
+        self.cross_seq: CacheSeq | None = None
         """Its encoder input's hold on the cross-attention cache (encoder-decoder)."""
 
 

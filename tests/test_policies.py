@@ -210,12 +210,15 @@ class RefCache:
     """Cache mode without partial reuse, done the obvious way, evicting by a reference policy.
     Returns per request the data of its victims, in order."""
 
-    def __init__(self, tpb, n, name, params):
+    def __init__(self, tpb, n, name, params, admission="all"):
         self.tpb, self.n = tpb, n
         self.data: list = [None] * n
         key = self.data.__getitem__
         self.policy = (RefScored if name in ("predictive", "gdsf") else RefSegments)(
             n, key, name, params)
+        self.admission = admission
+        self.admitted: dict = {}  # second_use: data -> (clock of its last release,)
+        self.admit_clock = 0
 
     def process(self, r: Request) -> list:
         tpb, pol = self.tpb, self.policy
@@ -241,16 +244,32 @@ class RefCache:
             if isinstance(pol, RefSegments):
                 pol.new_data(b)
             blocks.append(b)
+        computed = set()
         for j in range(m, L // tpb):
             want = toks[:(j + 1) * tpb]
             if want not in stored:
                 self.data[blocks[j]] = want
                 stored[want] = blocks[j]
+                computed.add(blocks[j])
                 if isinstance(pol, RefSegments):
                     pol.new_data(blocks[j])
         freed = [b for b in reversed(blocks) if self.data[b] is not None]
+        if self.admission == "second_use":
+            freed = [b for b in freed if self._admit(b) or b not in computed]
         pol.release(freed, r.priority)
         return victims
+
+    def _admit(self, b):
+        """Second use: record the block's data; a computed block stays only if it was seen
+        before. Turned away, it is empty (never offered to the policy)."""
+        d, hist = self.data[b], self.admitted
+        seen = d in hist
+        self.admit_clock += 1
+        hist[d] = (self.admit_clock,)
+        _Ref._prune(hist, self.admit_clock, 8 * self.n)
+        if not seen:
+            self.data[b] = None
+        return seen
 
 
 class LoggedQueue:
@@ -303,18 +322,21 @@ def policy_scenarios(draw, name):
     return [req(p, q) for p, q in zip(ps, prios)], tpb, blocks, draw(_PARAMS[name])
 
 
-@pytest.mark.parametrize("name", list(POLICIES))
-def test_policy_matches_brute_force_reference(name):
-    @settings(max_examples=150, derandomize=True, deadline=None,
+@pytest.mark.parametrize("name,admission", [(n, "all") for n in POLICIES]
+                         + [(n, "second_use") for n in POLICIES])
+def test_policy_matches_brute_force_reference(name, admission):
+    @settings(max_examples=150 if admission == "all" else 50, derandomize=True,
+              deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(policy_scenarios(name))
     def check(scenario):
         requests, tpb, blocks, params = scenario
         m = KVCacheManager(CacheSpec(tpb, blocks, enable_partial_reuse=False,
-                                     eviction_policy=name, policy_params=params))
+                                     eviction_policy=name, policy_params=params,
+                                     admission=admission))
         m.enable_sanity_tracking()
         logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
-        ref = RefCache(tpb, blocks, name, params)
+        ref = RefCache(tpb, blocks, name, params, admission)
         for i, r in enumerate(requests):
             seq = m.add_sequence(r)
             assert m.resize(seq, r.input_length)
@@ -464,3 +486,19 @@ tune:
     assert f"{100 * held.metrics['hit_rate']:.2f}%" in row
     code, _, err = run_cli(["tune", path, "--holdout", "1.5"], capsys)
     assert code == 2 and "--holdout" in err
+
+
+@pytest.mark.parametrize("admission,reused", [("all", [0, 2, 2]), ("second_use", [0, 0, 2])])
+def test_second_use_admission_caches_a_prefix_computed_twice(admission, reused):
+    m = KVCacheManager(CacheSpec(2, 8, enable_partial_reuse=False, admission=admission))
+    m.enable_sanity_tracking()
+    got = []
+    for _ in range(3):
+        r = req([1, 2, 3, 4, 5])
+        seq = m.add_sequence(r)
+        got.append(seq.reused_full_blocks)
+        assert m.resize(seq, r.input_length)
+        m.commit(seq, r.input_length)
+        m.release(seq)
+        assert m._check_sanity()
+    assert got == reused

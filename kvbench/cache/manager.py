@@ -646,6 +646,8 @@ class KVCacheManager:
                 index.remove(b)
                 empty.append(b)
         self.gpu.num_in_use -= freed
+        if cached and self._admission is not None:
+            cached = self._admit(blocks, cached)
         if not cached:
             return freed
         prio, fq = self.priority, self.gpu.free_queue
@@ -689,16 +691,17 @@ class KVCacheManager:
         elif self._expiring:
             self.expires[b] = 0.0
 
-    def _admit(self, blocks: list[BlockId]) -> list[BlockId]:
-        """The freed stored `blocks` the admission lets into the cache; computed ones it
-        turns away leave the index and become empty. Reused blocks always stay (their keys
-        are still recorded as used)."""
+    def _admit(self, blocks: list[BlockId], cached: list[int]) -> list[int]:
+        """The positions among `cached` (positions in `blocks` of freed stored blocks) whose
+        blocks the admission lets into the cache; computed ones it turns away leave the index
+        and become empty. Reused blocks always stay (their keys are still recorded as used)."""
         admit, fresh, index = self._admission.admit, self._fresh, self.index
         stored, empty = index.stored, self.gpu.empty
         kept = []
-        for b in blocks:
+        for i in cached:
+            b = blocks[i]
             if admit(stored[b][0]) or not fresh[b]:
-                kept.append(b)
+                kept.append(i)
             else:
                 index.remove(b)
                 empty.append(b)

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 from kvbench import runner
+from kvbench.modes.common import ideal_hit_rate
+from kvbench.plan import size_pools
 from kvbench.cache.manager import KVCacheManager
 from kvbench.config import load_workload
 from kvbench.engine.clock import StepClock, hardware_from_config
@@ -41,7 +43,8 @@ def main() -> None:
     print(f"load: {len(requests)} requests in {time.perf_counter() - t:.2f} s")
     print("requests  loop_s  ideal_s  total_s  iterations  rows  preempt  hit   ideal  "
           "ttft_p50_ms  tpot_p50_ms")
-    spec = runner.cache_spec(wl)
+    plan = size_pools(wl, requests)
+    spec = plan.spec
     for frac in (float(f) for f in args.fractions.split(",")):
         subset = requests[: int(len(requests) * frac)]
         for _ in range(args.repeat):
@@ -55,7 +58,7 @@ def main() -> None:
                 revert_deferred_ctx=wl.scheduler.revert_deferred_ctx,
                 batch_add=wl.cache.add_sequence == "batch")
             t1 = time.perf_counter()
-            ideal = runner._serve_ideal_hit_rate(subset, spec)
+            ideal = ideal_hit_rate(subset, plan, serve=True)
             t2 = time.perf_counter()
             states = result.requests
             hit = sum(s.reused_tokens for s in states) / sum(r.input_length for r in subset)

@@ -16,7 +16,8 @@ from kvbench.engine.clock import ProfileClock, interp1, interp2
 from kvbench.engine.scheduler import Scheduler
 from kvbench.engine.serve import run_serve
 from kvbench.profile import HardwareProfile, Table1D, Table2D, load_profile, model_shape
-from kvbench.runner import _load, cache_spec
+from kvbench.plan import cache_spec
+from kvbench.runner import _load
 from kvbench.cache.manager import KVCacheManager
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,0 +1,87 @@
+"""Cache mode: the requests replayed in arrival order, without a clock or a scheduler."""
+
+from __future__ import annotations
+
+import time
+
+from ..engine.cache_mode import replay_cache_mode
+from ..oracle import reference_hit_rates, streamed_reference_hit_rates
+from ..plan import RunPlan, block_bytes, cross_manager, size_pools
+from ..results import RunOutcome
+from ..traffic import Request
+from ..traffic.spill import SpilledTrace
+from .common import (ProgressFactory, cache_metrics, ideal_hit_rate, open_data_plane, outcome,
+                     phase)
+
+
+def run_cache(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
+              progress: ProgressFactory | None) -> RunOutcome:
+    """Replay the requests in arrival order through the planned cache, no clock; report reuse
+    against the references (ideal, optimal, LRU)."""
+    wl, spec = plan.workload, plan.spec
+    streamed = isinstance(requests, SpilledTrace)
+    cross = None if streamed else cross_manager(wl, requests)
+    plane = open_data_plane(plan, cross=cross)
+    manager = plan.manager()
+    t0 = time.perf_counter()
+    advance = progress(name, len(requests)) if progress is not None else None
+    result = replay_cache_mode(requests, manager, advance, data_plane=plane, cross=cross)
+    # With a host tier the optimum may keep blocks in either tier: one pool of both sizes.
+    # With windows it is null (the offline optimum is for one pool) and the ideal is an
+    # unlimited cache under the same window rules.
+    done = phase(progress, f"{name}: reference hit rates (optimal, ideal)")
+    if plan.cycles is None:
+        refs = (streamed_reference_hit_rates if streamed else reference_hit_rates)(
+            requests, spec.tokens_per_block, spec.num_gpu_blocks + spec.num_host_blocks,
+            partial_reuse=spec.enable_partial_reuse, block_reuse=spec.enable_block_reuse)
+        ideal, optimal = refs.ideal_hit_rate, refs.optimal_hit_rate
+    else:
+        ideal, optimal = ideal_hit_rate(requests, plan, serve=False), None
+    done(1)
+    hit = result.reused_tokens / result.prompt_tokens
+    lru = hit if _is_lru(wl) else _lru_reference(wl, requests)
+    wall = time.perf_counter() - t0
+    if not streamed:  # a streamed trace's requests are gone already
+        for r in requests:
+            r.drop_keys()
+    metrics = {
+        **cache_metrics(wl, manager, requests, result.reused_tokens, result.reused_tokens_host,
+                        result.reused_partial_tokens),
+        "reused_full_blocks": result.reused_full_blocks,
+        "reused_partial_blocks": result.reused_partial_blocks,
+        "ideal_hit_rate": ideal,
+        "optimal_hit_rate": optimal,
+        "lru_hit_rate": lru,
+        "gap_closed": gap_closed(hit, lru, optimal),
+        "wall_s": wall,
+        "verified": None,
+        "max_abs_err": None,
+    }
+    if cross is not None:
+        metrics.update(result.cross.metrics(cross, block_bytes(wl)))
+    if plane is not None:
+        metrics.update(plane.metrics())
+    return outcome(name, wl, metrics, result.timeline.to_json())
+
+
+def _is_lru(wl: Workload) -> bool:
+    return wl.cache.eviction_policy == "lru" and wl.cache.admission == "all"
+
+
+def _lru_reference(wl: Workload, requests: list[Request]) -> float:
+    """The hit rate of the same cache-mode run with LRU eviction and admission of all
+    (TensorRT-LLM's behaviour), the reference `gap_closed` is measured from."""
+    lru = wl.model_copy(update={"cache": wl.cache.model_copy(
+        update={"eviction_policy": "lru", "admission": "all"})})
+    manager = size_pools(lru, requests).manager()
+    cross = None if isinstance(requests, SpilledTrace) else cross_manager(lru, requests)
+    result = replay_cache_mode(requests, manager, cross=cross)
+    return result.reused_tokens / result.prompt_tokens
+
+
+def gap_closed(hit: float, lru: float | None, optimal: float | None) -> float | None:
+    """Share of the LRU-to-optimal gap a policy closes: (hit - lru) / (optimal - lru);
+    None without both references or without a gap."""
+    if lru is None or optimal is None or optimal - lru <= 1e-12:
+        return None
+    return (hit - lru) / (optimal - lru)

@@ -1,0 +1,175 @@
+"""What both mode runners share: opening the data plane over a run plan's pools, the reuse,
+memory and host-traffic metrics every run reports, the ideal hit rate, the checked outcome."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..cache.manager import CacheSpec, KVCacheManager
+from ..cache.protocol import CacheManager
+from ..cache.windows import WindowedCacheManager
+from ..engine.clock import hardware_from_config, host_link_bytes_per_s
+from ..errors import InputError
+from ..metrics import unregistered
+from ..oracle import reference_hit_rates
+from ..plan import RunPlan, block_bytes, where
+from ..results import RunOutcome
+from ..traffic import Request
+from ..traffic.spill import SpilledTrace
+
+ProgressFactory = Callable[[str, int], Callable[[int], None]]
+"""(description, total) -> advance(n): how a run reports progress (a rich bar in the CLI)."""
+
+
+def open_data_plane(plan: RunPlan, model=None, *, backend: str | None = None, engine=None,
+                    cross: KVCacheManager | None = None):
+    """The data plane for `run.backend` (None for `none`) over the plan's pools; torch is
+    imported only here. `model` is another model's shape (the draft's) instead of the
+    workload's; a `cross` cache gets a pool of its own."""
+    wl = plan.workload
+    model = wl.model if model is None else model
+    backend = backend or wl.run.backend
+    if backend == "none":
+        return None
+    from ..kernels.dataplane import open_data_plane as open_plane
+    from ..kernels.step import BackendUnavailable, PoolSpec
+
+    cross_pool = (None if cross is None else
+                  PoolSpec(tuple(range(model.num_layers)), cross.spec.num_gpu_blocks))
+    try:
+        # A measured clock reads each step's time at once; otherwise the host runs ahead.
+        return open_plane(model, plan.spec.tokens_per_block, plan.pool_specs(model),
+                          backend=backend, verify=wl.run.verify, seed=wl.run.seed,
+                          engine=engine, lazy_times=engine is None, cross=cross_pool)
+    except BackendUnavailable as exc:
+        raise InputError(f"{where(wl)}: run.backend: {exc}") from None
+
+
+MEASURED_OVERHEAD_BYTES = 2 << 30
+"""GPU memory a measured run needs beside weights, KV cache and step buffers: the CUDA
+context, cuBLAS and FlashInfer workspaces, captured graphs' pools."""
+
+
+def open_measured_plane(plan: RunPlan):
+    """The FlashInfer data plane with the engine's linear layers, for `run.clock: measured`;
+    refuses (InputError, before allocating anything) when CUDA, FlashInfer or the memory for
+    weights and cache is missing."""
+    wl, spec = plan.workload, plan.spec
+    here = where(wl)
+    if wl.run.backend == "torch":
+        raise InputError(f"{here}: run.clock: measured times FlashInfer attention; set "
+                         "run.backend to flashinfer or auto (got torch)")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise InputError(f"{here}: run.clock: measured needs a CUDA GPU and torch sees none; "
+                         "use run.clock: modeled (with hardware.profile for a calibrated card)")
+    from ..kernels.engine import LinearShape, LinearWork
+    from ..kernels.step import ModelShape
+    from ..kernels.storage import pool_bytes
+    from ..profile import model_shape
+
+    m = wl.model
+    dims = model_shape(m, spec.tokens_per_block)
+    shape = LinearShape(m.num_layers, dims["hidden_size"], m.num_q_heads * m.head_dim,
+                        m.num_kv_heads * m.head_dim, dims["intermediate_size"])
+    kv_shape = ModelShape.of(m, spec.tokens_per_block)
+    cache = sum(pool_bytes(kv_shape, p) for p in plan.pool_specs())
+    mnt = wl.scheduler.max_num_tokens
+    step = shape.activation_bytes(mnt) + 2 * m.num_layers * mnt * (
+        2 * shape.kv + shape.q)
+    need = shape.weight_bytes + cache + step + MEASURED_OVERHEAD_BYTES
+    free, _ = torch.cuda.mem_get_info()
+    if need > free:
+        gib = 1 << 30
+        raise InputError(
+            f"{here}: run.clock: measured needs {need:,} bytes ({need / gib:.1f} GiB) on the "
+            f"GPU: weights {shape.weight_bytes / gib:.1f} GiB, KV cache {cache / gib:.1f} GiB, "
+            f"step buffers and workspaces {(step + MEASURED_OVERHEAD_BYTES) / gib:.1f} GiB; "
+            f"{torch.cuda.get_device_name()} has {free / gib:.1f} GiB free: lower "
+            "cache.max_tokens or scheduler.max_num_tokens")
+    if wl.run.backend == "auto":
+        from ..kernels.flashinfer_backend import flashinfer_problem
+
+        problem = flashinfer_problem(m.dtype)
+        if problem:
+            raise InputError(f"{here}: run.clock: measured: {problem}")
+    engine = LinearWork(shape, torch.device("cuda"), wl.scheduler.max_batch_size, wl.run.seed)
+    return open_data_plane(plan, backend="flashinfer", engine=engine)
+
+
+def cache_metrics(
+    wl: Workload, manager: CacheManager, requests: list[Request] | SpilledTrace,
+    reused: int, reused_host: int, reused_partial: int,
+) -> dict:
+    """Reuse, memory and host-traffic metrics of a run in either mode, with one pool or one
+    per attention life cycle. Host-link time is modeled: bytes over the hardware's host link
+    at the clock's efficiency (`engine/clock.py`)."""
+    prompt = (requests.prompt_tokens if isinstance(requests, SpilledTrace)
+              else sum(r.input_length for r in requests))
+    onboard_bytes, offload_bytes = manager.moved_bytes(block_bytes(wl))
+    link = host_link_bytes_per_s(hardware_from_config(wl.hardware))
+    return {
+        "requests": len(requests),
+        "prompt_tokens": prompt,
+        "reused_tokens": reused,
+        "reused_tokens_gpu": reused - reused_host,
+        "reused_tokens_host": reused_host,
+        "reused_partial_tokens": reused_partial,
+        "hit_rate": reused / prompt,
+        **manager.memory_metrics(block_bytes(wl)),
+        "peak_host_blocks": manager.peak_host_blocks,
+        "allocated_blocks": manager.allocated_blocks,
+        "evicted_blocks": manager.evicted_blocks,
+        "onboard_blocks": manager.onboard_blocks,
+        "offload_blocks": manager.offload_blocks,
+        "onboard_bytes": onboard_bytes,
+        "offload_bytes": offload_bytes,
+        "host_link_ms_modeled": (onboard_bytes + offload_bytes) / link * 1e3,
+        "host_evicted_blocks": manager.host_evicted_blocks,
+        "partial_copy_blocks": manager.partial_copy_blocks,
+        "phase2_alloc_failures": manager.phase2_alloc_failures,
+    }
+
+
+def ideal_hit_rate(requests: list[Request], plan: RunPlan, *, serve: bool) -> float:
+    """An unlimited cache with the run's reuse rules replaying the requests in order, each
+    storing its prompt (in serve mode, and its generated blocks) before the next. With sliding
+    windows it has the run's life cycles and window rules (a request reuses up to any end
+    whose window blocks are stored), keeping every block, so it bounds the run's hit rate:
+    a prefix-only ideal does not (with a window of 1 every end is served). Generated tokens
+    the traffic does not know are unique to their request, so without windows and without
+    known answers only prompts matter and the oracle answers."""
+    spec, cycles = plan.spec, plan.cycles
+    tpb = spec.tokens_per_block
+    if cycles is None and (not serve or all(r.output_tokens is None for r in requests)):
+        return reference_hit_rates(
+            requests, tpb, None, partial_reuse=spec.enable_partial_reuse,
+            block_reuse=spec.enable_block_reuse).ideal_hit_rate
+    computed = [max(r.input_length, r.stream_length - 1) if serve else r.input_length
+                for r in requests]
+    unlimited = CacheSpec(
+        tpb, sum(-(-n // tpb) for n in computed) + 1, enable_block_reuse=spec.enable_block_reuse,
+        enable_partial_reuse=spec.enable_partial_reuse,
+        copy_on_partial_reuse=spec.copy_on_partial_reuse)
+    manager = (KVCacheManager(unlimited) if cycles is None else
+               WindowedCacheManager(list(cycles), [unlimited] * len(cycles)))
+    reused = 0
+    for r, n in zip(requests, computed):
+        seq = manager.add_sequence(r.view(r.input_length) if serve else r)
+        manager.resize(seq, n)
+        manager.commit(seq, n)
+        manager.release(seq)
+        reused += seq.reused_tokens
+    return reused / sum(r.input_length for r in requests)
+
+
+def outcome(name: str, wl: Workload, metrics: dict, timeline: dict) -> RunOutcome:
+    # A metric the registry does not know would reach no table, no compare rule, no schema.
+    assert not unregistered(metrics), f"unregistered metrics: {unregistered(metrics)}"
+    return RunOutcome(name, wl, metrics, timeline)
+
+
+def phase(progress: ProgressFactory | None, description: str) -> Callable[[int], None]:
+    """A one-step progress task naming a phase with no count of its own."""
+    return progress(description, 1) if progress is not None else (lambda n: None)

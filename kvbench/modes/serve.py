@@ -1,0 +1,139 @@
+"""Serve mode: the requests through the scheduler and the serve loop on a clock."""
+
+from __future__ import annotations
+
+import time
+
+from ..cache.manager import KVCacheManager
+from ..cache.mirror import MirroredCacheManager
+from ..cache.protocol import CacheManager
+from ..config import Workload
+from ..engine.clock import StepClock, hardware_from_config
+from ..engine.scheduler import Scheduler
+from ..engine.serve import SERVE_COUNTERS
+from ..engine.serve import run_serve as serve_loop
+from ..engine.speculative import Speculation
+from ..metrics import percentile_summary
+from ..plan import RunPlan, block_bytes, cross_manager, draft_block_bytes, serve_clock
+from ..results import RunOutcome
+from ..traffic import Request
+from .common import (ProgressFactory, cache_metrics, ideal_hit_rate, open_data_plane,
+                     open_measured_plane, outcome, phase)
+
+
+def run_serve(name: str, plan: RunPlan, requests: list[Request],
+              progress: ProgressFactory | None) -> RunOutcome:
+    """The serve loop over the planned cache: scheduler, clock, optional data plane,
+    speculation and cross-attention cache."""
+    wl, spec = plan.workload, plan.spec
+    cross = cross_manager(wl, requests)
+    clock = serve_clock(wl)
+    if wl.run.clock == "measured":
+        plane = open_measured_plane(plan)
+    else:
+        plane = open_data_plane(plan, cross=cross)
+    sp = wl.speculative
+    hardware = hardware_from_config(wl.hardware)
+    speculation = draft_plane = None
+    if sp.enabled:
+        speculation = Speculation(
+            sp.max_draft_len, sp.acceptance_rate, sp.reserved_tokens, wl.run.seed,
+            None if sp.draft_model is None else StepClock(sp.draft_model, hardware))
+        if sp.draft_model is not None:
+            draft_plane = open_data_plane(plan, model=sp.draft_model)
+    manager = plan.manager()
+    t0 = time.perf_counter()
+    if sp.draft_model is not None:
+        manager = MirroredCacheManager(manager, KVCacheManager(spec))
+    sched = wl.scheduler
+    advance = progress(name, len(requests)) if progress is not None else None
+    result = serve_loop(
+        requests, manager, Scheduler(sched, spec.tokens_per_block,
+                                     reserve_tokens=sp.max_draft_len + sp.reserved_tokens),
+        clock,
+        revert_deferred_ctx=sched.revert_deferred_ctx, batch_add=wl.cache.add_sequence == "batch",
+        block_bytes=block_bytes(wl),
+        data_plane=plane, speculation=speculation, draft_plane=draft_plane, cross=cross,
+        on_progress=advance)
+    done = phase(progress, f"{name}: reference hit rate (ideal)")
+    ideal = ideal_hit_rate(requests, plan, serve=True)
+    done(1)
+    wall = time.perf_counter() - t0
+    for r in requests:
+        r.drop_keys()
+    metrics = _serve_metrics(wl, manager, requests, result, ideal, wall, clock.time_source)
+    if speculation is not None:
+        metrics.update(speculation.metrics())
+    if cross is not None:
+        metrics.update(result.cross.metrics(cross, block_bytes(wl)))
+    if sp.draft_model is not None:
+        metrics.update(_draft_metrics(wl, manager.draft, result.requests))
+    if plane is not None:
+        _plane_metrics(metrics, plane, draft_plane, clock.time_source)
+    return outcome(name, wl, metrics, result.timeline.to_json())
+
+
+def _serve_metrics(wl: Workload, manager: CacheManager, requests: list[Request], result,
+                   ideal: float, wall: float, time_source: str) -> dict:
+    """The metrics every serve run reports: reuse, memory and traffic, the clock's times and
+    the loop's counters."""
+    states = result.requests
+    reused = sum(s.reused_tokens for s in states)
+    reused_host = sum(s.reused_tokens_host for s in states)
+    output = sum(r.output_length for r in requests)
+    ttft = [(s.first_token_s - s.request.arrival_s) * 1e3 for s in states
+            if s.request.output_length]
+    tpot = [(s.finish_s - s.first_token_s) * 1e3 / (s.request.output_length - 1)
+            for s in states if s.request.output_length > 1]
+    e2e = [(s.finish_s - s.request.arrival_s) * 1e3 for s in states]
+    metrics = {
+        **cache_metrics(wl, manager, requests, reused, reused_host,
+                        sum(s.reused_partial_tokens for s in states)),
+        "reused_full_blocks": sum(s.reused_full_blocks for s in states),
+        "reused_partial_blocks": sum(s.reused_partial_tokens > 0 for s in states),
+        "ideal_hit_rate": ideal,
+        "optimal_hit_rate": None,
+        "lru_hit_rate": None,
+        "gap_closed": None,
+        "iterations": result.iterations,
+        "output_tokens": output,
+        "duration_s": result.duration_s,
+        "throughput_tokens_per_s": output / result.duration_s if result.duration_s > 0 else 0.0,
+        "ttft_ms": percentile_summary(ttft),
+        "tpot_ms": percentile_summary(tpot),
+        "e2e_ms": percentile_summary(e2e),
+        "time_source": time_source,
+        **{counter: getattr(result, counter) for counter in SERVE_COUNTERS},
+        "wall_s": wall,
+        "verified": None,
+        "max_abs_err": None,
+    }
+    return metrics
+
+
+def _plane_metrics(metrics: dict, plane, draft_plane, time_source: str) -> None:
+    """A serve run's data-plane metrics (and its draft model's), into `metrics`."""
+    # TTFT, TPOT and throughput carry the clock's label: with a modeled clock the kernel
+    # times a CUDA plane measured are reported beside them, not fed to the clock.
+    metrics.update(plane.metrics(), time_source=time_source)
+    if draft_plane is not None:
+        d = draft_plane.metrics()
+        metrics["draft_verified"] = d["verified"]
+        metrics["draft_max_abs_err"] = d["max_abs_err"]
+        if d["verified"] is False:
+            metrics["verified"] = False
+            metrics["verify_mismatch"] = "draft cache: " + d["verify_mismatch"]
+
+
+def _draft_metrics(wl: Workload, draft: KVCacheManager, states) -> dict:
+    """The draft model's cache: its size, peak and reuse (the same blocks as the target's,
+    in its own shape), and the peak bytes of both caches together."""
+    peak = draft.gpu.peak_in_use
+    return {
+        "draft_gpu_blocks_total": draft.spec.num_gpu_blocks,
+        "draft_peak_gpu_blocks": peak,
+        "draft_peak_gpu_bytes": peak * draft_block_bytes(wl),
+        "draft_reused_full_blocks": sum(s.draft_reuse[0] for s in states),
+        "draft_reused_partial_blocks": sum(s.draft_reuse[1] for s in states),
+        "peak_kv_bytes": peak * (block_bytes(wl) + draft_block_bytes(wl)),
+    }

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import run_cli
-from kvbench.config import MAX_WORKLOAD_BYTES, MAX_YAML_NODES
+from kvbench.yamlsource import MAX_WORKLOAD_BYTES, MAX_YAML_NODES
 
 TINY = """\
 model: {num_layers: 2, num_kv_heads: 1, num_q_heads: 1, head_dim: 8}

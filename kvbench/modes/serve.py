@@ -10,8 +10,8 @@ from ..cache.protocol import CacheManager
 from ..config import Workload
 from ..engine.clock import StepClock, hardware_from_config
 from ..engine.scheduler import Scheduler
-from ..engine.serve import SERVE_COUNTERS
 from ..engine.serve import run_serve as serve_loop
+from ..engine.serve_result import SERVE_COUNTERS
 from ..engine.speculative import Speculation
 from ..metrics import percentile_summary
 from ..plan import RunPlan, block_bytes, cross_manager, draft_block_bytes, serve_clock

@@ -7,11 +7,9 @@ import copy
 import hashlib
 import json
 import re
-import types
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, NamedTuple, Union
 
 from pydantic import (
     AfterValidator,
@@ -28,6 +26,7 @@ from pydantic import (
 )
 
 from kvbench.cache.ids import Retention, TokenRangeRetention
+from kvbench.config_errors import Origin, as_model, describe, unwrap_optional
 from kvbench.errors import InputError
 from kvbench.metrics import DEFAULT_OBJECTIVES, direction
 from kvbench.yamlsource import MAX_WORKLOAD_BYTES, parse_value, parse_yaml, show_value
@@ -604,7 +603,7 @@ def _check_dotted_key(key: str) -> str:
             raise _BadKey(f"unknown key {key}; {'.'.join(parts[:i])} has no sub-keys")
         if part not in model.model_fields:
             raise _BadKey(f"unknown key {key}; expected one of: {', '.join(model.model_fields)}")
-        model = _as_model(model.model_fields[part].annotation)
+        model = as_model(model.model_fields[part].annotation)
     return key
 
 
@@ -614,24 +613,9 @@ def key_annotation(key: str) -> Any:
     model: type[BaseModel] | None = Workload
     annotation: Any = None
     for part in key.split("."):
-        annotation = _unwrap_optional(model.model_fields[part].annotation)
-        model = _as_model(annotation)
+        annotation = unwrap_optional(model.model_fields[part].annotation)
+        model = as_model(annotation)
     return annotation
-
-
-def _unwrap_optional(annotation: Any) -> Any:
-    if get_origin(annotation) in (Union, types.UnionType):
-        members = [a for a in get_args(annotation) if a is not type(None)]
-        if len(members) == 1:
-            return members[0]
-    return annotation
-
-
-def _as_model(annotation: Any) -> type[BaseModel] | None:
-    annotation = _unwrap_optional(annotation)
-    # On Python 3.10 list[X] passes isinstance(..., type) but cannot be subclass-checked.
-    is_class = get_origin(annotation) is None and isinstance(annotation, type)
-    return annotation if is_class and issubclass(annotation, BaseModel) else None
 
 
 class SpaceEntry(_Section):
@@ -735,37 +719,6 @@ class TuneConfig(_Section):
         return [parse_constraint(text) for text in self.constraints]
 
 
-@dataclass
-class _Origin:
-    """Where each value of a loaded workload came from, to point errors at it."""
-
-    file: str | None = None
-    # path -> (key position, value position); positions are 1-based (line, column).
-    marks: dict[tuple, tuple[tuple[int, int] | None, tuple[int, int]]] = field(
-        default_factory=dict
-    )
-    set_keys: list[tuple[str, ...]] = field(default_factory=list)
-
-    def locate(self, path: tuple, at_key: bool = False) -> tuple[str | None, bool]:
-        """Location prefix for `path` and whether that prefix already names the path."""
-        # The last --set of a key wins, so it is the one to blame.
-        for key in reversed(self.set_keys):
-            if path[: len(key)] == key:
-                return f"--set {'.'.join(key)}", path == key
-            # A key missing from a mapping that no file wrote: the --set that created it did.
-            parent = path[:-1]
-            if parent and parent not in self.marks and key[: len(parent)] == parent:
-                return f"--set {'.'.join(key)}", False
-        if self.file is None:
-            return None, False
-        exact = path in self.marks
-        while path not in self.marks and path:
-            path = path[:-1]
-        key_pos, value_pos = self.marks[path]
-        line, column = key_pos if at_key and exact and key_pos else value_pos
-        return f"{self.file}:{line}:{column}", False
-
-
 class Workload(_Section):
     """A kvbench workload: model, hardware, cache, scheduler, requests, run, variants and tune."""
 
@@ -803,7 +756,7 @@ class Workload(_Section):
 
     _source_path: Path | None = PrivateAttr(None)
     _source_text_sha256: str | None = PrivateAttr(None)
-    _origin: _Origin = PrivateAttr(default_factory=_Origin)
+    _origin: Origin = PrivateAttr(default_factory=Origin)
 
     @field_validator("variants")
     @classmethod
@@ -844,7 +797,8 @@ class Workload(_Section):
             except _BadKey as exc:
                 raise InputError(self._variant_error(i, str(exc))) from None
             except ValidationError as exc:
-                raise InputError(self._variant_error(i, _describe(exc, data, _Origin()))) from None
+                message = describe(exc, data, Origin(), Workload)
+                raise InputError(self._variant_error(i, message)) from None
             workload._source_path = self._source_path
             workload._source_text_sha256 = self._source_text_sha256
             workload._origin = self._origin
@@ -962,11 +916,11 @@ def load_workload(path: str | Path, sets: Sequence[str] = ()) -> Workload:
                          "workload keys (model, cache, requests, run, ...)")
     data.setdefault("name", path.stem)
     data = apply_sets(data, sets)
-    origin = _Origin(str(path), marks, [tuple(parse_set(item)[0].split(".")) for item in sets])
+    origin = Origin(str(path), marks, [tuple(parse_set(item)[0].split(".")) for item in sets])
     try:
         workload = Workload.model_validate(data)
     except ValidationError as exc:
-        raise InputError(_describe(exc, data, origin)) from None
+        raise InputError(describe(exc, data, origin, Workload)) from None
     workload._source_path = path
     workload._source_text_sha256 = hashlib.sha256(raw).hexdigest()
     workload._origin = origin
@@ -990,98 +944,3 @@ def _unused_by(key: str, wl: Workload) -> str | None:
     if key.startswith("tune.") and wl.tune is None:
         return "this workload has no tune: section to override"
     return None
-
-
-
-
-def _dotted(path: tuple) -> str:
-    text = ""
-    for part in path:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
-    return text
-
-
-def _data_path(loc: tuple, data: Any) -> tuple[tuple, bool]:
-    """The pydantic error location as a path into `data`, and whether it points at a dict key.
-
-    Pydantic adds steps that are not in the data (union members, `[key]` for dict keys); those
-    are dropped, but a missing key of a mapping is kept.
-    """
-    path: list = []
-    at_key = False
-    node = data
-    for part in loc:
-        if part == "[key]":
-            at_key = True
-        elif isinstance(node, dict) and isinstance(part, str):
-            path.append(part)
-            node = node.get(part)
-        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-            path.append(part)
-            node = node[part]
-    return tuple(path), at_key
-
-
-def _model_at(path: tuple) -> type[BaseModel] | None:
-    annotation: Any = Workload
-    for part in path:
-        model = _as_model(annotation)
-        if model is not None:
-            annotation = model.model_fields[part].annotation
-        else:
-            # list[X] and dict[K, X] both hold X as their last type argument.
-            annotation = get_args(_unwrap_optional(annotation))[-1]
-    return _as_model(annotation)
-
-
-_EXPECTED = {
-    "int_type": "expected an integer",
-    "float_type": "expected a number",
-    "bool_type": "expected true or false",
-    "string_type": "expected a string",
-    "list_type": "expected a list",
-    "dict_type": "expected a mapping",
-    "model_type": "expected a mapping",
-}
-_BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-
-
-def _describe(exc: ValidationError, data: dict, origin: _Origin) -> str:
-    """The first validation error as one line: `LOCATION: dotted.key: message`."""
-    error = exc.errors(include_url=False)[0]
-    path, at_key = _data_path(error["loc"], data)
-    shown_path = path
-    if error["type"] == "extra_forbidden":
-        at_key = True
-    elif at_key:
-        # A rejected dict key: the message names the key, so show the mapping that holds it.
-        shown_path = path[:-1]
-    location, implied = origin.locate(path, at_key)
-    parts = [location] if location else []
-    if shown_path and not implied:
-        parts.append(_dotted(shown_path))
-    return ": ".join(parts + [_message(error, path)])
-
-
-def _message(error: dict, path: tuple) -> str:
-    kind, ctx = error["type"], error.get("ctx", {})
-    if kind == "extra_forbidden":
-        return f"unknown key; expected one of: {', '.join(_model_at(path[:-1]).model_fields)}"
-    if kind == "missing":
-        return "required key is missing"
-    if kind == "value_error":
-        # Our validators write the whole message, `(got ...)` included where it helps.
-        return str(ctx["error"])
-    if kind == "literal_error":
-        expected = f"expected one of {ctx['expected']}"
-    elif kind == "too_short":
-        expected = f"expected at least {ctx['min_length']} item"
-    elif kind == "string_too_short":
-        expected = f"expected at least {ctx['min_length']} character"
-    elif kind in _EXPECTED:
-        expected = _EXPECTED[kind]
-    elif bounds := [b for b in _BOUNDS if b in ctx]:
-        expected = f"expected a value {_BOUNDS[bounds[0]]} {ctx[bounds[0]]:g}"
-    else:
-        expected = error["msg"]
-    return f"{expected} (got {show_value(error['input'])})"

@@ -25,7 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cli_helpers import run_cli
-from kvbench.config import Workload, _as_model
+from kvbench.config import Workload
+from kvbench.config_errors import as_model
 
 FUZZ_EXAMPLES = int(os.environ.get("KVBENCH_FUZZ_DEFAULT", "500"))
 """Cases in the default suite, over all targets."""
@@ -59,7 +60,7 @@ TRACE_RECORDS = 4
 def _dotted_keys(model=Workload, prefix: str = "") -> list[str]:
     keys = []
     for name, info in model.model_fields.items():
-        sub = _as_model(info.annotation)
+        sub = as_model(info.annotation)
         keys.append(prefix + name)
         if sub is not None:
             keys += _dotted_keys(sub, f"{prefix}{name}.")

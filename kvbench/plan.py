@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from .cache.manager import CacheSpec, KVCacheManager, grow_blocks
 from .cache.policies import POLICIES
-from .cache.windows import (LifeCycle, WindowedCacheManager, life_cycles,
-                            prefill_blocks_bound, split_gpu_blocks)
+from .cache.lifecycle import LifeCycle, life_cycles, prefill_blocks_bound, split_gpu_blocks
+from .cache.windows import WindowedCacheManager
 from .config import Workload, resolve_path
 from .engine.clock import MeasuredClock, ProfileClock, StepClock, hardware_from_config
 from .errors import InputError

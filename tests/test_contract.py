@@ -8,7 +8,8 @@ import numpy as np
 
 from kvbench.cache.manager import CacheSpec, KVCacheManager
 from kvbench.cache.protocol import CacheManager, PageView
-from kvbench.cache.windows import WindowedCacheManager, life_cycles
+from kvbench.cache.lifecycle import life_cycles
+from kvbench.cache.windows import WindowedCacheManager
 from kvbench.traffic.request import Request
 
 ROOT = Path(__file__).resolve().parents[1]

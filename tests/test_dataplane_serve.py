@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 
 from kvbench.cache.ids import CopyKind  # noqa: E402
 from kvbench.cache.manager import CacheSpec, KVCacheManager  # noqa: E402
-from kvbench.cache.windows import WindowedCacheManager, life_cycles  # noqa: E402
+from kvbench.cache.lifecycle import life_cycles  # noqa: E402
+from kvbench.cache.windows import WindowedCacheManager  # noqa: E402
 from kvbench.config import ModelConfig, SchedulerConfig, load_workload  # noqa: E402
 from kvbench.engine.clock import PRESETS, StepClock  # noqa: E402
 from kvbench.engine.scheduler import Scheduler  # noqa: E402

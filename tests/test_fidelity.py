@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from kvbench.cache.ids import CopyKind, Retention, TokenRangeRetention
 from kvbench.cache.manager import AddPlan, CacheSpec, KVCacheManager, Phase2AllocationError
-from kvbench.cache.windows import WindowedCacheManager, life_cycles
+from kvbench.cache.lifecycle import life_cycles
+from kvbench.cache.windows import WindowedCacheManager
 from kvbench.config import ModelConfig, SchedulerConfig
 from kvbench.engine.clock import PRESETS, StepClock
 from kvbench.engine.scheduler import Scheduler

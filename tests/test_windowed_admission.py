@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbench.cache.manager import AddPlan, CacheSpec, grow_blocks
-from kvbench.cache.windows import WindowedCacheManager, life_cycles
+from kvbench.cache.lifecycle import life_cycles
+from kvbench.cache.windows import WindowedCacheManager
 from kvbench.config import ModelConfig, SchedulerConfig, load_workload
 from kvbench.engine.clock import PRESETS, StepClock
 from kvbench.engine.scheduler import Scheduler

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from kvbench.cache.manager import NO_BLOCK, CacheSpec, KVCacheManager
-from kvbench.cache.windows import (
-    LifeCycle, WindowedCacheManager, life_cycles, prefill_blocks_bound, split_gpu_blocks,
-)
+from kvbench.cache.lifecycle import (LifeCycle, life_cycles, prefill_blocks_bound,
+                                     split_gpu_blocks)
+from kvbench.cache.windows import WindowedCacheManager
 from kvbench.config import load_workload
 from kvbench.runner import run_workload
 from kvbench.traffic.request import Request

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvbench.cache.manager import NO_BLOCK, AddPlan, CacheSeq, CacheSpec
-from kvbench.cache.windows import WindowedCacheManager, life_cycles, prefill_blocks_bound
+from kvbench.cache.lifecycle import life_cycles, prefill_blocks_bound
+from kvbench.cache.windows import WindowedCacheManager
 from kvbench.config import ModelConfig, SchedulerConfig
 from kvbench.engine.clock import PRESETS, StepClock
 from kvbench.engine.scheduler import Phase, Scheduler

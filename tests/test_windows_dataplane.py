@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvbench.cache.manager import CacheSpec  # noqa: E402
-from kvbench.cache.windows import WindowedCacheManager, life_cycles  # noqa: E402
+from kvbench.cache.lifecycle import life_cycles  # noqa: E402
+from kvbench.cache.windows import WindowedCacheManager  # noqa: E402
 from kvbench.kernels.dataplane import DataPlane  # noqa: E402
 from kvbench.kernels.step import ModelShape, PoolSpec, StepItem  # noqa: E402
 from kvbench.traffic.request import Request  # noqa: E402

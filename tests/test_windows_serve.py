@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvbench.cache.manager import NO_BLOCK, CacheSpec
-from kvbench.cache.windows import WindowedCacheManager, life_cycles
+from kvbench.cache.lifecycle import life_cycles
+from kvbench.cache.windows import WindowedCacheManager
 from kvbench.config import ModelConfig, SchedulerConfig, load_workload
 from kvbench.engine.clock import PRESETS, StepClock
 from kvbench.engine.scheduler import Scheduler

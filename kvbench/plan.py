@@ -7,6 +7,7 @@ runs a request."""
 from __future__ import annotations
 
 import resource
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .cache.manager import CacheSpec, KVCacheManager, grow_blocks
@@ -265,10 +266,16 @@ def check_fits(wl: Workload, requests: list[Request] | SpilledTrace, num_blocks:
             f"to at least {need * tpb}")
 
 
-def check_serve_fits(wl: Workload, requests: list[Request], num_blocks: int) -> None:
+def check_serve_fits(wl: Workload, requests: list[Request] | SpilledTrace,
+                     num_blocks: int) -> None:
     """Every request must be able to finish alone: its stream's computed tokens in the cache
     and, without chunked prefill, its longest (recomputed) context in one step."""
     s, tpb = wl.scheduler, wl.cache.tokens_per_block
+
+    def each() -> Iterable[Request]:  # a spilled trace's shapes: lengths without reading ids
+        if isinstance(requests, SpilledTrace):
+            return (requests.shape_of(i) for i in range(len(requests)))
+        return requests
     if s.max_batch_size > s.max_num_tokens:
         raise InputError(
             f"{where(wl)}: scheduler.max_batch_size ({s.max_batch_size}) exceeds "
@@ -279,7 +286,7 @@ def check_serve_fits(wl: Workload, requests: list[Request], num_blocks: int) -> 
             f"{where(wl)}: scheduler.max_num_tokens ({s.max_num_tokens}) is below one chunk "
             f"of cache.tokens_per_block ({tpb}) tokens")
     sp = wl.speculative
-    widest = max(r.beam_width for r in requests) * (1 + sp.max_draft_len)
+    widest = max(r.beam_width for r in each()) * (1 + sp.max_draft_len)
     if s.max_batch_size * widest > s.max_num_tokens:
         raise InputError(
             f"{where(wl)}: scheduler.max_batch_size ({s.max_batch_size}) x the tokens one "
@@ -291,7 +298,7 @@ def check_serve_fits(wl: Workload, requests: list[Request], num_blocks: int) -> 
     def held(r: Request) -> int:
         return r.input_length + max(r.output_length - 1, 0) + extra
 
-    largest = max(requests, key=lambda r: grow_blocks(tpb, r, 0, held(r)))
+    largest = max(each(), key=lambda r: grow_blocks(tpb, r, 0, held(r)))
     need, length = grow_blocks(tpb, largest, 0, held(largest)), held(largest)
     # With a draft model each block of budget also pays for its draft block.
     least = -(-need * (block_bytes(wl) + draft_block_bytes(wl)) // block_bytes(wl)) * tpb
@@ -301,7 +308,7 @@ def check_serve_fits(wl: Workload, requests: list[Request], num_blocks: int) -> 
             f"({length} prompt, generated and reserved tokens, {largest.beam_width} beam(s) "
             f"at tokens_per_block {tpb}) but the cache holds {num_blocks}; raise "
             f"cache.max_tokens to at least {least}")
-    largest = max(requests, key=held)
+    largest = max(each(), key=held)
     length = held(largest) - extra
     if not s.enable_chunked_prefill and length > s.max_num_tokens:
         raise InputError(

@@ -86,11 +86,12 @@ def load_workload_requests(wl: Workload) -> list[Request]:
 
 
 def _streamable(wl: Workload) -> bool:
-    """A cache-mode run of a trace on one pool without a data plane streams its requests
-    (`traffic/spill.py`, `oracle.streamed_reference_hit_rates`): its memory does not grow with
-    the trace, so production-size traces fit."""
+    """A run of a trace on one pool without a data plane streams its requests
+    (`traffic/spill.py`, `oracle.streamed_reference_hit_rates`; in serve mode the loop pulls
+    them as they arrive and keeps state only for waiting and running ones): its memory does
+    not grow with the trace, so production-size traces fit."""
     r = wl.requests
-    return (wl.run.mode == "cache" and r.source == "trace" and not is_windowed(wl)
+    return (r.source == "trace" and not is_windowed(wl)
             and wl.run.backend == "none" and r.beam_widths is None and r.retention is None
             and not r.encoder.tokens)
 

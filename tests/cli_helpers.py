@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 
@@ -20,3 +21,17 @@ def run_cli(args, capsys) -> tuple[int, str, str]:
         sys.argv = old
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def run_metrics(path, capsys, *sets) -> dict:
+    """`kvbench run PATH --set ...` in-process: the first run's metrics, wall_s left out
+    (the one metric two identical runs differ in)."""
+    out = path.with_suffix(".out.json")
+    args = ["run", path, "--quiet", "--json", out]
+    for s in sets:
+        args += ["--set", s]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    metrics = json.loads(out.read_text())["runs"][0]["metrics"]
+    del metrics["wall_s"]
+    return metrics

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import run_cli, run_metrics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trace_samples import write_samples
@@ -140,18 +140,6 @@ def samples(tmp_path_factory):
     for fmt in ("mooncake", "bailian", "weka", "token_ids"):
         shutil.copy(ROOT / "workloads" / "formats" / f"{fmt}.yaml", folder / f"{fmt}.yaml")
     return folder
-
-
-def run_metrics(path, capsys, *sets) -> dict:
-    out = path.with_suffix(".out.json")
-    args = ["run", path, "--quiet", "--json", out]
-    for s in sets:
-        args += ["--set", s]
-    code, _, err = run_cli(args, capsys)
-    assert code == 0, err
-    metrics = json.loads(out.read_text())["runs"][0]["metrics"]
-    del metrics["wall_s"]
-    return metrics
 
 
 @pytest.mark.parametrize("fmt", ["mooncake", "bailian", "weka", "token_ids"])

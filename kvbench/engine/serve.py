@@ -31,7 +31,7 @@ step's attention must run, so there are no jumps then.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from heapq import heappop, heappush
 
 import numpy as np
@@ -44,8 +44,8 @@ from .clock import MeasuredClock, ProfileClock, StepClock
 from .cross import CrossTally, cross_ops, cross_step, encoder_ids
 from .plane import step_items
 from .scheduler import ContextWork, Phase, Scheduler, ServeRequest
-from .serve_result import (SERVE_COUNTERS, TIMELINE_COLUMNS, ContextChunk, ServeResult,
-                           StepRecord)
+from .serve_result import (SERVE_COUNTERS, TIMELINE_COLUMNS, ContextChunk, FinishedRequests,
+                           ServeResult, StepRecord)
 from .speculative import Speculation
 from .timeline import Timeline
 
@@ -53,20 +53,23 @@ Clock = StepClock | ProfileClock | MeasuredClock
 
 
 def run_serve(
-    requests: Sequence[Request], manager: CacheManager, scheduler: Scheduler,
+    requests: Iterable[Request], manager: CacheManager, scheduler: Scheduler,
     clock: Clock, **options,
 ) -> ServeResult:
-    """Serve `requests` (in arrival order) to completion; `options` as `ServeLoop` takes them.
+    """Serve `requests` (in arrival order, pulled as they arrive) to completion; `options` as
+    `ServeLoop` takes them.
     The caller has checked that each request fits: the KV of its prompt and generated tokens
     in the cache and, without chunked prefill, its longest context in max_num_tokens."""
     return ServeLoop(requests, manager, scheduler, clock, **options).run()
 
 
 class ServeLoop:
-    """The state of one serve-mode run; `run` drives it. Observers may read `states`."""
+    """The state of one serve-mode run; `run` drives it. Requests are pulled from their
+    iterable as the clock reaches them, and a request's state lives only while it waits or
+    runs (with `keep_states`, `states` keeps every arrived one, for observers)."""
 
     __slots__ = (
-        "states", "manager", "scheduler", "clock", "revert", "batch_add", "bulk_decode",
+        "states", "keep_states", "source", "done", "manager", "scheduler", "clock", "revert", "batch_add", "bulk_decode",
         "on_step", "on_progress", "tpb", "mnt", "waiting", "prefilling", "decoders", "dec_k",
         "gen_tokens", "spec", "draft", "draft_plane", "_draft_end", "cross", "cross_tally",
         "events", "step", "now", "finished", *SERVE_COUNTERS, "timeline", "block_bytes",
@@ -76,15 +79,19 @@ class ServeLoop:
     )
 
     def __init__(
-        self, requests: Sequence[Request], manager: CacheManager, scheduler: Scheduler,
+        self, requests: Iterable[Request], manager: CacheManager, scheduler: Scheduler,
         clock: Clock, *, revert_deferred_ctx: bool = False, batch_add: bool = False,
         block_bytes: int = 0, bulk_decode: bool = True, data_plane=None,
         speculation: Speculation | None = None, draft_plane=None,
         cross: KVCacheManager | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
-        on_progress: Callable[[int], None] | None = None,
+        on_progress: Callable[[int], None] | None = None, keep_states: bool = True,
     ) -> None:
-        self.states = [ServeRequest(r, i) for i, r in enumerate(requests)]
+        self.source = iter(requests)
+        self.keep_states = keep_states
+        self.states: list[ServeRequest] = []
+        """Every arrived request's state, in arrival order (empty without keep_states)."""
+        self.done = FinishedRequests()
         self.manager = manager
         self.scheduler = scheduler
         self.clock = clock
@@ -144,34 +151,42 @@ class ServeLoop:
         self.cross_tally = CrossTally()
 
     def run(self) -> ServeResult:
-        states, waiting = self.states, self.waiting
-        n = len(states)
-        arrivals = [s.request.arrival_s for s in states]
-        if any(b < a for a, b in zip(arrivals, arrivals[1:])):
-            raise ValueError("requests must come in arrival order")
-        nxt = 0
-        self.now = arrivals[0] if n else 0.0
-        reported = 0
-        while self.finished < n:
-            while nxt < n and arrivals[nxt] <= self.now:
-                heappush(waiting, (nxt, states[nxt]))
-                nxt += 1
-            if not (self.decoders or self.prefilling or waiting):
-                self.now = arrivals[nxt]
+        source = self.source
+        # One request of lookahead: the next arrival bounds a jump.
+        nxt = next(source, None)
+        first = self.now = nxt.arrival_s if nxt is not None else 0.0
+        arrived = reported = 0
+        while nxt is not None or self.finished < arrived:
+            while nxt is not None and nxt.arrival_s <= self.now:
+                self._arrive(nxt, arrived)
+                arrived += 1
+                last, nxt = nxt.arrival_s, next(source, None)
+                if nxt is not None and nxt.arrival_s < last:
+                    raise ValueError("requests must come in arrival order")
+            if not (self.decoders or self.prefilling or self.waiting):
+                self.now = nxt.arrival_s
                 continue
             if self._step() and self.bulk_decode:
-                self._jump(arrivals[nxt] if nxt < n else None)
+                self._jump(nxt.arrival_s if nxt is not None else None)
             if self.on_progress is not None and self.finished - reported >= 256:
                 self.on_progress(self.finished - reported)
                 reported = self.finished
         if self.on_progress is not None:
             self.on_progress(self.finished - reported)
-        first = arrivals[0] if n else 0.0
         return ServeResult(
-            requests=states, iterations=self.step, duration_s=self.now - first,
+            finished=self.done, requests=self.states, iterations=self.step,
+            duration_s=self.now - first,
             timeline=self.timeline, cross=self.cross_tally,
             **{name: getattr(self, name) for name in SERVE_COUNTERS},
         )
+
+    def _arrive(self, request: Request, idx: int) -> None:
+        # Its state is held by the waiting queue (and `states`) alone, so it is freed when
+        # the request finishes.
+        state = ServeRequest(request, idx)
+        heappush(self.waiting, (idx, state))
+        if self.keep_states:
+            self.states.append(state)
 
     # --- one step -------------------------------------------------------------------------
 
@@ -661,6 +676,7 @@ class ServeLoop:
         r.phase = Phase.DONE
         r.finish_s = self.now
         self.finished += 1
+        self.done.add(r)
 
 
 def _by_idx(r: ServeRequest) -> int:

@@ -4,7 +4,10 @@ result metrics)."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+
+import numpy as np
 
 from .cross import CrossTally
 from .scheduler import ServeRequest
@@ -55,12 +58,63 @@ class StepRecord:
     """Per step."""
 
 
+class FinishedRequests:
+    """What the metrics need of each finished request, in flat arrays (40 bytes a request:
+    arrival index, arrival, first-token and finish times, output length) and running totals,
+    so a run keeps no request state once a request is done."""
+
+    __slots__ = ("_idx", "_arrival", "_first", "_finish", "_output", "count", "prompt_tokens",
+                 "output_tokens", "reused_tokens", "reused_tokens_host", "reused_partial_tokens",
+                 "reused_full_blocks", "reused_partial_blocks", "draft_reused_full_blocks",
+                 "draft_reused_partial_blocks")
+
+    def __init__(self) -> None:
+        self._idx, self._output = array("q"), array("q")
+        self._arrival, self._first, self._finish = array("d"), array("d"), array("d")
+        self.count = self.prompt_tokens = self.output_tokens = 0
+        self.reused_tokens = self.reused_tokens_host = self.reused_partial_tokens = 0
+        self.reused_full_blocks = self.reused_partial_blocks = 0
+        self.draft_reused_full_blocks = self.draft_reused_partial_blocks = 0
+
+    def add(self, s: ServeRequest) -> None:
+        r = s.request
+        self._idx.append(s.idx)
+        self._arrival.append(r.arrival_s)
+        self._first.append(s.first_token_s)
+        self._finish.append(s.finish_s)
+        self._output.append(r.output_length)
+        self.count += 1
+        self.prompt_tokens += r.input_length
+        self.output_tokens += r.output_length
+        self.reused_tokens += s.reused_tokens
+        self.reused_tokens_host += s.reused_tokens_host
+        self.reused_partial_tokens += s.reused_partial_tokens
+        self.reused_full_blocks += s.reused_full_blocks
+        self.reused_partial_blocks += s.reused_partial_tokens > 0
+        self.draft_reused_full_blocks += s.draft_reuse[0]
+        self.draft_reused_partial_blocks += s.draft_reuse[1]
+
+    def latencies_ms(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """TTFT (requests with output), TPOT (with more than one output token) and end-to-end
+        latency, in arrival order (so their means sum in the same order on every run)."""
+        order = np.argsort(np.frombuffer(self._idx, dtype=np.int64), kind="stable")
+        arrival, first, finish = (np.frombuffer(a, dtype=np.float64)[order]
+                                  for a in (self._arrival, self._first, self._finish))
+        output = np.frombuffer(self._output, dtype=np.int64)[order]
+        ttft = ((first - arrival) * 1e3)[output > 0]
+        many = output > 1
+        tpot = (finish[many] - first[many]) * 1e3 / (output[many] - 1)
+        return ttft, tpot, (finish - arrival) * 1e3
+
+
 @dataclass(slots=True)
 class ServeResult:
-    """What a serve run did; per-request times and reuse are on `requests`."""
+    """What a serve run did; per-request numbers on `finished` (and their states on
+    `requests` when the loop kept them)."""
 
+    finished: FinishedRequests
     requests: list[ServeRequest]
-    """In arrival order, every one finished."""
+    """In arrival order, every one finished; empty unless the loop kept states."""
     iterations: int
     """Steps, jumped ones included."""
     duration_s: float

@@ -11,7 +11,7 @@ from ..cache.windows import WindowedCacheManager
 from ..engine.clock import hardware_from_config, host_link_bytes_per_s
 from ..errors import InputError
 from ..metrics import unregistered
-from ..oracle import reference_hit_rates
+from ..oracle import reference_hit_rates, streamed_reference_hit_rates
 from ..plan import RunPlan, block_bytes, where
 from ..results import RunOutcome
 from ..traffic import Request
@@ -132,16 +132,21 @@ def cache_metrics(
     }
 
 
-def ideal_hit_rate(requests: list[Request], plan: RunPlan, *, serve: bool) -> float:
+def ideal_hit_rate(requests: list[Request] | SpilledTrace, plan: RunPlan, *,
+                   serve: bool) -> float:
     """An unlimited cache with the run's reuse rules replaying the requests in order, each
     storing its prompt (in serve mode, and its generated blocks) before the next. With sliding
     windows it has the run's life cycles and window rules (a request reuses up to any end
     whose window blocks are stored), keeping every block, so it bounds the run's hit rate:
     a prefix-only ideal does not (with a window of 1 every end is served). Generated tokens
     the traffic does not know are unique to their request, so without windows and without
-    known answers only prompts matter and the oracle answers."""
+    known answers only prompts matter and the oracle answers (a spilled trace has none)."""
     spec, cycles = plan.spec, plan.cycles
     tpb = spec.tokens_per_block
+    if isinstance(requests, SpilledTrace):
+        return streamed_reference_hit_rates(
+            requests, tpb, None, partial_reuse=spec.enable_partial_reuse,
+            block_reuse=spec.enable_block_reuse).ideal_hit_rate
     if cycles is None and (not serve or all(r.output_tokens is None for r in requests)):
         return reference_hit_rates(
             requests, tpb, None, partial_reuse=spec.enable_partial_reuse,

@@ -11,22 +11,25 @@ from ..config import Workload
 from ..engine.clock import StepClock, hardware_from_config
 from ..engine.scheduler import Scheduler
 from ..engine.serve import run_serve as serve_loop
-from ..engine.serve_result import SERVE_COUNTERS
+from ..engine.serve_result import SERVE_COUNTERS, FinishedRequests
 from ..engine.speculative import Speculation
 from ..metrics import percentile_summary
 from ..plan import RunPlan, block_bytes, cross_manager, draft_block_bytes, serve_clock
 from ..results import RunOutcome
 from ..traffic import Request
+from ..traffic.spill import SpilledTrace
 from .common import (ProgressFactory, cache_metrics, ideal_hit_rate, open_data_plane,
                      open_measured_plane, outcome, phase)
 
 
-def run_serve(name: str, plan: RunPlan, requests: list[Request],
+def run_serve(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
               progress: ProgressFactory | None) -> RunOutcome:
     """The serve loop over the planned cache: scheduler, clock, optional data plane,
-    speculation and cross-attention cache."""
+    speculation and cross-attention cache. A spilled trace is read as the loop reaches its
+    arrivals."""
     wl, spec = plan.workload, plan.spec
-    cross = cross_manager(wl, requests)
+    streamed = isinstance(requests, SpilledTrace)
+    cross = None if streamed else cross_manager(wl, requests)
     clock = serve_clock(wl)
     if wl.run.clock == "measured":
         plane = open_measured_plane(plan)
@@ -54,43 +57,38 @@ def run_serve(name: str, plan: RunPlan, requests: list[Request],
         revert_deferred_ctx=sched.revert_deferred_ctx, batch_add=wl.cache.add_sequence == "batch",
         block_bytes=block_bytes(wl),
         data_plane=plane, speculation=speculation, draft_plane=draft_plane, cross=cross,
-        on_progress=advance)
+        on_progress=advance, keep_states=False)
     done = phase(progress, f"{name}: reference hit rate (ideal)")
     ideal = ideal_hit_rate(requests, plan, serve=True)
     done(1)
     wall = time.perf_counter() - t0
-    for r in requests:
-        r.drop_keys()
+    if not streamed:  # a streamed trace's requests are gone already
+        for r in requests:
+            r.drop_keys()
     metrics = _serve_metrics(wl, manager, requests, result, ideal, wall, clock.time_source)
     if speculation is not None:
         metrics.update(speculation.metrics())
     if cross is not None:
         metrics.update(result.cross.metrics(cross, block_bytes(wl)))
     if sp.draft_model is not None:
-        metrics.update(_draft_metrics(wl, manager.draft, result.requests))
+        metrics.update(_draft_metrics(wl, manager.draft, result.finished))
     if plane is not None:
         _plane_metrics(metrics, plane, draft_plane, clock.time_source)
     return outcome(name, wl, metrics, result.timeline.to_json())
 
 
-def _serve_metrics(wl: Workload, manager: CacheManager, requests: list[Request], result,
-                   ideal: float, wall: float, time_source: str) -> dict:
+def _serve_metrics(wl: Workload, manager: CacheManager, requests: list[Request] | SpilledTrace,
+                   result, ideal: float, wall: float, time_source: str) -> dict:
     """The metrics every serve run reports: reuse, memory and traffic, the clock's times and
     the loop's counters."""
-    states = result.requests
-    reused = sum(s.reused_tokens for s in states)
-    reused_host = sum(s.reused_tokens_host for s in states)
-    output = sum(r.output_length for r in requests)
-    ttft = [(s.first_token_s - s.request.arrival_s) * 1e3 for s in states
-            if s.request.output_length]
-    tpot = [(s.finish_s - s.first_token_s) * 1e3 / (s.request.output_length - 1)
-            for s in states if s.request.output_length > 1]
-    e2e = [(s.finish_s - s.request.arrival_s) * 1e3 for s in states]
+    done = result.finished
+    ttft, tpot, e2e = done.latencies_ms()
+    output = done.output_tokens
     metrics = {
-        **cache_metrics(wl, manager, requests, reused, reused_host,
-                        sum(s.reused_partial_tokens for s in states)),
-        "reused_full_blocks": sum(s.reused_full_blocks for s in states),
-        "reused_partial_blocks": sum(s.reused_partial_tokens > 0 for s in states),
+        **cache_metrics(wl, manager, requests, done.reused_tokens, done.reused_tokens_host,
+                        done.reused_partial_tokens),
+        "reused_full_blocks": done.reused_full_blocks,
+        "reused_partial_blocks": done.reused_partial_blocks,
         "ideal_hit_rate": ideal,
         "optimal_hit_rate": None,
         "lru_hit_rate": None,
@@ -125,7 +123,7 @@ def _plane_metrics(metrics: dict, plane, draft_plane, time_source: str) -> None:
             metrics["verify_mismatch"] = "draft cache: " + d["verify_mismatch"]
 
 
-def _draft_metrics(wl: Workload, draft: KVCacheManager, states) -> dict:
+def _draft_metrics(wl: Workload, draft: KVCacheManager, done: FinishedRequests) -> dict:
     """The draft model's cache: its size, peak and reuse (the same blocks as the target's,
     in its own shape), and the peak bytes of both caches together."""
     peak = draft.gpu.peak_in_use
@@ -133,7 +131,7 @@ def _draft_metrics(wl: Workload, draft: KVCacheManager, states) -> dict:
         "draft_gpu_blocks_total": draft.spec.num_gpu_blocks,
         "draft_peak_gpu_blocks": peak,
         "draft_peak_gpu_bytes": peak * draft_block_bytes(wl),
-        "draft_reused_full_blocks": sum(s.draft_reuse[0] for s in states),
-        "draft_reused_partial_blocks": sum(s.draft_reuse[1] for s in states),
+        "draft_reused_full_blocks": done.draft_reused_full_blocks,
+        "draft_reused_partial_blocks": done.draft_reused_partial_blocks,
         "peak_kv_bytes": peak * (block_bytes(wl) + draft_block_bytes(wl)),
     }

@@ -408,7 +408,10 @@ def test_ctrl_c_says_interrupted(tmp_path):
                     .replace("max_tokens: 1024", "max_tokens: 65536"))
     proc = subprocess.Popen([sys.executable, "-c", "from kvbench.cli import main; main()",
                              "run", str(path), "-q"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            # as in a terminal: a job started in the background of a
+                            # non-interactive shell (CI runners do this) inherits SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(3)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

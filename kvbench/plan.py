@@ -15,7 +15,8 @@ from .cache.policies import POLICIES
 from .cache.lifecycle import LifeCycle, life_cycles, prefill_blocks_bound, split_gpu_blocks
 from .cache.windows import WindowedCacheManager
 from .config import Workload, resolve_path
-from .engine.clock import MeasuredClock, ProfileClock, StepClock, hardware_from_config
+from .engine.clock import (MeasuredClock, ProfileClock, StepClock, hardware_from_config,
+                           host_link_bytes_per_s)
 from .errors import InputError
 from .traffic import Request
 from .traffic.spill import SpilledTrace
@@ -437,6 +438,16 @@ def serve_clock(wl: Workload):
         profile.check_shape(model_shape(wl.model, wl.cache.tokens_per_block), where(wl))
         return ProfileClock(profile)
     return StepClock(wl.model, hardware_from_config(wl.hardware))
+
+
+def host_link_ms_per_byte(wl: Workload) -> float:
+    """Modeled host-link milliseconds per byte for `host_link_ms_modeled`: the calibrated
+    profile's figure when the workload names one (as its clock uses), else the preset's link."""
+    if wl.hardware.profile is not None:
+        from .profile import load_profile
+
+        return load_profile(resolve_path(wl, wl.hardware.profile)).link_ms_per_byte
+    return 1e3 / host_link_bytes_per_s(hardware_from_config(wl.hardware))
 
 
 def where(wl: Workload) -> str:

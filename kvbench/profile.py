@@ -85,6 +85,12 @@ class HardwareProfile:
                 "# Times in ms for all layers of the model below; see kvbench/profile.py.\n")
         return head + yaml.safe_dump(doc, sort_keys=False, width=100)
 
+    @property
+    def link_ms_per_byte(self) -> float:
+        """Host-link milliseconds per byte at the mean of the measured pinned bandwidths: the
+        one figure behind the profile clock's copy time and `host_link_ms_modeled`."""
+        return 2e3 / (self.h2d_bytes_per_s + self.d2h_bytes_per_s)
+
     def check_shape(self, shape: dict[str, Any], where: str) -> None:
         """InputError unless `shape` (a workload's) is the shape this profile measured."""
         diff = [f"{k} {shape[k]} (profile: {self.shape.get(k)})" for k in SHAPE_KEYS

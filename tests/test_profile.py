@@ -179,3 +179,21 @@ def test_shipped_profiles_load_and_match_the_serve_workload():
         assert p.measured["gpu"] and p.measured["driver"] and p.measured["flashinfer"]
         # Measured tables grow with the work.
         assert p.linear.ms[-1] > p.linear.ms[0] and p.decode.ms[-1][-1] > p.decode.ms[0][0]
+
+
+def test_host_link_metric_uses_the_profile_link(tmp_path, chat, capsys):
+    # One figure for the clock's copy time and the metric: with a profile both use its
+    # measured pinned bandwidths (50 GB/s each way here), not the preset's PCIe link.
+    path = write_profile(tmp_path, profile_for(chat))
+    out = tmp_path / "r.json"
+    tight = [*SMALL, "--set", "cache.host_offload_ratio=2", "--set", "cache.max_tokens=4096"]
+    code, _, err = run_cli(["run", CHAT, *tight, "--set", f"hardware.profile={path}",
+                            "--json", out, "-q"], capsys)
+    assert code == 0, err
+    m = json.loads(out.read_text())["runs"][0]["metrics"]
+    moved = m["onboard_bytes"] + m["offload_bytes"]
+    assert moved > 0
+    assert m["host_link_ms_modeled"] == pytest.approx(moved * 2e3 / 100e9, rel=1e-12)
+    code, _, _ = run_cli(["run", CHAT, *tight, "--json", out, "-q"], capsys)
+    preset = json.loads(out.read_text())["runs"][0]["metrics"]
+    assert preset["host_link_ms_modeled"] != pytest.approx(m["host_link_ms_modeled"], rel=1e-3)

@@ -210,7 +210,7 @@ class ProfileClock:
     def __init__(self, profile) -> None:
         self.profile = profile
         self.floor_ms = profile.step_floor_ms
-        self.link_ms_per_byte = 2e3 / (profile.h2d_bytes_per_s + profile.d2h_bytes_per_s)
+        self.link_ms_per_byte = profile.link_ms_per_byte
         self._graphs = np.asarray(profile.graph_tokens, dtype=np.int64)
         self._prefill0 = profile.prefill.ms[0][0]
 

@@ -8,11 +8,10 @@ from collections.abc import Callable
 from ..cache.manager import CacheSpec, KVCacheManager
 from ..cache.protocol import CacheManager
 from ..cache.windows import WindowedCacheManager
-from ..engine.clock import hardware_from_config, host_link_bytes_per_s
 from ..errors import InputError
 from ..metrics import unregistered
 from ..oracle import reference_hit_rates, streamed_reference_hit_rates
-from ..plan import RunPlan, block_bytes, where
+from ..plan import RunPlan, block_bytes, host_link_ms_per_byte, where
 from ..results import RunOutcome
 from ..traffic import Request
 from ..traffic.spill import SpilledTrace
@@ -103,12 +102,11 @@ def cache_metrics(
     reused: int, reused_host: int, reused_partial: int,
 ) -> dict:
     """Reuse, memory and host-traffic metrics of a run in either mode, with one pool or one
-    per attention life cycle. Host-link time is modeled: bytes over the hardware's host link
-    at the clock's efficiency (`engine/clock.py`)."""
+    per attention life cycle. Host-link time is modeled: bytes at the figure the serve clock
+    uses (`plan.host_link_ms_per_byte`)."""
     prompt = (requests.prompt_tokens if isinstance(requests, SpilledTrace)
               else sum(r.input_length for r in requests))
     onboard_bytes, offload_bytes = manager.moved_bytes(block_bytes(wl))
-    link = host_link_bytes_per_s(hardware_from_config(wl.hardware))
     return {
         "requests": len(requests),
         "prompt_tokens": prompt,
@@ -125,7 +123,7 @@ def cache_metrics(
         "offload_blocks": manager.offload_blocks,
         "onboard_bytes": onboard_bytes,
         "offload_bytes": offload_bytes,
-        "host_link_ms_modeled": (onboard_bytes + offload_bytes) / link * 1e3,
+        "host_link_ms_modeled": (onboard_bytes + offload_bytes) * host_link_ms_per_byte(wl),
         "host_evicted_blocks": manager.host_evicted_blocks,
         "partial_copy_blocks": manager.partial_copy_blocks,
         "phase2_alloc_failures": manager.phase2_alloc_failures,

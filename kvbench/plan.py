@@ -440,14 +440,14 @@ def serve_clock(wl: Workload):
     return StepClock(wl.model, hardware_from_config(wl.hardware))
 
 
-def host_link_ms_per_byte(wl: Workload) -> float:
-    """Modeled host-link milliseconds per byte for `host_link_ms_modeled`: the calibrated
+def host_link_ms(wl: Workload, nbytes: int) -> float:
+    """Modeled host-link milliseconds for `nbytes` (`host_link_ms_modeled`): at the calibrated
     profile's figure when the workload names one (as its clock uses), else the preset's link."""
     if wl.hardware.profile is not None:
         from .profile import load_profile
 
-        return load_profile(resolve_path(wl, wl.hardware.profile)).link_ms_per_byte
-    return 1e3 / host_link_bytes_per_s(hardware_from_config(wl.hardware))
+        return nbytes * load_profile(resolve_path(wl, wl.hardware.profile)).link_ms_per_byte
+    return nbytes / host_link_bytes_per_s(hardware_from_config(wl.hardware)) * 1e3
 
 
 def where(wl: Workload) -> str:

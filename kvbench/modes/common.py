@@ -11,7 +11,7 @@ from ..cache.windows import WindowedCacheManager
 from ..errors import InputError
 from ..metrics import unregistered
 from ..oracle import reference_hit_rates, streamed_reference_hit_rates
-from ..plan import RunPlan, block_bytes, host_link_ms_per_byte, where
+from ..plan import RunPlan, block_bytes, host_link_ms, where
 from ..results import RunOutcome
 from ..traffic import Request
 from ..traffic.spill import SpilledTrace
@@ -103,7 +103,7 @@ def cache_metrics(
 ) -> dict:
     """Reuse, memory and host-traffic metrics of a run in either mode, with one pool or one
     per attention life cycle. Host-link time is modeled: bytes at the figure the serve clock
-    uses (`plan.host_link_ms_per_byte`)."""
+    uses (`plan.host_link_ms`)."""
     prompt = (requests.prompt_tokens if isinstance(requests, SpilledTrace)
               else sum(r.input_length for r in requests))
     onboard_bytes, offload_bytes = manager.moved_bytes(block_bytes(wl))
@@ -123,7 +123,7 @@ def cache_metrics(
         "offload_blocks": manager.offload_blocks,
         "onboard_bytes": onboard_bytes,
         "offload_bytes": offload_bytes,
-        "host_link_ms_modeled": (onboard_bytes + offload_bytes) * host_link_ms_per_byte(wl),
+        "host_link_ms_modeled": host_link_ms(wl, onboard_bytes + offload_bytes),
         "host_evicted_blocks": manager.host_evicted_blocks,
         "partial_copy_blocks": manager.partial_copy_blocks,
         "phase2_alloc_failures": manager.phase2_alloc_failures,

@@ -10,9 +10,10 @@ import resource
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .cache.manager import CacheSpec, KVCacheManager, grow_blocks
+from .cache.manager import CacheSpec, KVCacheManager
 from .cache.policies import POLICIES
 from .cache.lifecycle import LifeCycle, life_cycles, prefill_blocks_bound, split_gpu_blocks
+from .cache.seq import grow_blocks
 from .cache.windows import WindowedCacheManager
 from .config import Workload, resolve_path
 from .engine.clock import (MeasuredClock, ProfileClock, StepClock, hardware_from_config,

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvbench.cache.manager import CacheSeq, CacheSpec, KVCacheManager
+from kvbench.cache.manager import CacheSpec, KVCacheManager
+from kvbench.cache.seq import CacheSeq
 from kvbench.config import ModelConfig, SchedulerConfig
 from kvbench.engine.clock import PRESETS, StepClock
 from kvbench.engine.scheduler import Phase, Scheduler

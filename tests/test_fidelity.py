@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbench.cache.ids import CopyKind, Retention, TokenRangeRetention
-from kvbench.cache.manager import AddPlan, CacheSpec, KVCacheManager, Phase2AllocationError
+from kvbench.cache.add import AddPlan, Phase2AllocationError
+from kvbench.cache.manager import CacheSpec, KVCacheManager
 from kvbench.cache.lifecycle import life_cycles
 from kvbench.cache.windows import WindowedCacheManager
 from kvbench.config import ModelConfig, SchedulerConfig

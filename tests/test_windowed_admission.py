@@ -12,7 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbench.cache.manager import AddPlan, CacheSpec, grow_blocks
+from kvbench.cache.add import AddPlan
+from kvbench.cache.manager import CacheSpec
+from kvbench.cache.seq import grow_blocks
 from kvbench.cache.lifecycle import life_cycles
 from kvbench.cache.windows import WindowedCacheManager
 from kvbench.config import ModelConfig, SchedulerConfig, load_workload

@@ -10,7 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from kvbench.cache.manager import NO_BLOCK, CacheSpec, KVCacheManager
+from kvbench.cache.manager import CacheSpec, KVCacheManager
+from kvbench.cache.seq import NO_BLOCK
 from kvbench.cache.lifecycle import (LifeCycle, life_cycles, prefill_blocks_bound,
                                      split_gpu_blocks)
 from kvbench.cache.windows import WindowedCacheManager

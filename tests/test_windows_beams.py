@@ -14,7 +14,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvbench.cache.manager import NO_BLOCK, AddPlan, CacheSeq, CacheSpec
+from kvbench.cache.add import AddPlan
+from kvbench.cache.manager import CacheSpec
+from kvbench.cache.seq import NO_BLOCK, CacheSeq
 from kvbench.cache.lifecycle import life_cycles, prefill_blocks_bound
 from kvbench.cache.windows import WindowedCacheManager
 from kvbench.config import ModelConfig, SchedulerConfig

@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from kvbench.cache.manager import NO_BLOCK, CacheSpec
+from kvbench.cache.manager import CacheSpec
+from kvbench.cache.seq import NO_BLOCK
 from kvbench.cache.lifecycle import life_cycles
 from kvbench.cache.windows import WindowedCacheManager
 from kvbench.config import ModelConfig, SchedulerConfig, load_workload

@@ -6,26 +6,10 @@ recently used free cached block), committed as tokens are computed (full blocks 
 reusable) and released (full blocks stay cached, the unfilled last block is kept for partial
 reuse or dropped).
 
-With a host tier, a GPU block evicted while it holds reusable data is offloaded to the host if
-the host has room or can make it by evicting its own LRU block, and if the block's priority is
-at least `secondary_offload_min_priority`. A host hit is onboarded into a fresh GPU block before
-use; the host slot it leaves is empty and is the next one the host hands out.
-
-Two add paths (DESIGN.md section 3): `add_sequence` matches, claims, onboards and returns one
-sequence at a time, so onboarding for one request may evict a block another request of the
-same step was counted on; `add_sequences` claims every match of every request first (phase 1)
-and only then onboards (phase 2), so nothing phase 2 evicts was matched by the batch.
-
-Beam search (TensorRT-LLM's rule): a sequence of a request with `beam_width` w > 1 shares its
-context's full blocks among the beams; the last context block is shared only when it is full
-(`input_length % tokens_per_block == 0`, or always for cross-attention KV, `CacheSpec.cross_kv`),
-otherwise every beam gets its own copy; every block past the context is per beam. `blocks` is
-beam 0's page table (the one stored for reuse: beam 0 generates the request's stream); beams
-1..w-1 hold their own blocks of the positions from `shared_blocks` on in `beams`, never stored.
-Reuse matches only the shared blocks (an unshared last block is computed by each beam).
-`resize` allocates for every beam, so peak memory, the scheduler's block estimate
-(`grow_blocks`) and preemption all see them; `release_blocks` (a sliding window) releases
-every beam's blocks of the positions it is given.
+The parts: the add path (match, two-phase claim and onboard, the batched add's estimate) in
+`add.py`, the host tier (offload, onboard) in `host_tier.py`, the sequence and the beams'
+block arithmetic in `seq.py`; this module holds the pools, allocation and eviction, commit,
+release and retention, and the engine-cache contract's views.
 
 Invariants (checked by `_check_sanity`): every block is empty, cached or in use in its pool;
 `ref_count[b]` equals the number of live sequences holding `b` (a beam's own block counts
@@ -40,11 +24,14 @@ from dataclasses import dataclass
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING
 
-from .ids import DEFAULT_RETENTION_PRIORITY, BlockId, BlockKey, CopyKind, CopyOp, Tier
+from .add import AddPath, AddPlan
+from .host_tier import HostTier
+from .ids import DEFAULT_RETENTION_PRIORITY, BlockId, CopyKind, CopyOp, Tier
 from .policies import AdmissionParams, SecondUseAdmission, make_free_queue
 from .pool import BlockPool
 from .protocol import PageView
 from .radix import PrefixIndex
+from .seq import NO_BLOCK, CacheSeq, grow_blocks, shared_blocks
 
 if TYPE_CHECKING:
     from ..traffic.request import Request
@@ -85,117 +72,7 @@ class CacheSpec:
     """`all`: every computed block is cached; `second_use`: only if its key was used before."""
 
 
-class Phase2AllocationError(RuntimeError):
-    """An onboard or partial copy of an add found no free GPU block (`strict_phase2`)."""
-
-    def __init__(self, request_id: int, what: str, step: int | None = None) -> None:
-        where = f" in step {step}" if step is not None else ""
-        super().__init__(f"request {request_id}{where}: no free GPU block for {what}"
-                         " (cache.strict_phase2)")
-        self.request_id = request_id
-        self.what = what
-
-
-_CLAIMED, _TAKEN, _ONBOARDED, _COPY_SOURCE = 1, 2, 3, 4
-"""`AddPlan` states of a block: claimed by a planned request and kept; taken in place by one
-for a partial match; a host block a planned request onboards; a free GPU block planned
-requests only copy a partial match from (claimed in phase 1, free again after phase 2)."""
-
-
-class AddPlan(dict):
-    """The claims a step's batched add will make, block -> state, built by `estimate_add` as
-    the step's new requests are estimated in order (one per step; a windowed manager keeps
-    one per pool under the pool's index)."""
-
-    __slots__ = ("transient",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.transient = 0
-        """1 when the last estimated add copies a partial match out of a free GPU block: that
-        block is out of the free pool while its copy is allocated, so the add needs one block
-        more than it keeps until its phase 2 ends (before the step's chunks are allocated)."""
-
-NO_BLOCK = BlockId(-1)
-"""Placeholder in `CacheSeq.blocks` for a position that holds no block of this life cycle: a
-sliding window no longer (or never) needs it, or it is a scratch block (`windows.py`). It keeps
-the positions of the other blocks aligned with the sequence's tokens."""
-
-
-def shared_blocks(tokens_per_block: int, request: Request, cross_kv: bool = False) -> int:
-    """Leading block positions the beams of a sequence of `request` share: the context's full
-    blocks, and its last one too only when full or for cross-attention KV (TensorRT-LLM's
-    `isShareLastContextBlock`)."""
-    if cross_kv:
-        return -(-request.input_length // tokens_per_block)
-    return request.input_length // tokens_per_block
-
-
-def grow_blocks(tokens_per_block: int, request: Request, have: int, num_tokens: int,
-                cross_kv: bool = False) -> int:
-    """Blocks a sequence of `request` holding `have` block positions takes to hold
-    `num_tokens` tokens: one per new position, and one more per extra beam for each new
-    position past the shared context."""
-    positions = -(-num_tokens // tokens_per_block)
-    if positions <= have:
-        return 0
-    own = 0
-    if request.beam_width > 1:
-        own = (request.beam_width - 1) * max(
-            0, positions - max(have, shared_blocks(tokens_per_block, request, cross_kv)))
-    return positions - have + own
-
-
-class CacheSeq:
-    """One request's hold on the cache."""
-
-    __slots__ = (
-        "request", "keys", "blocks", "num_tokens", "num_computed", "num_stored",
-        "reused_tokens", "reused_full_blocks", "reused_tokens_host", "partial_tokens",
-        "partial_copied", "_partial", "holes", "beam_width", "shared_blocks", "beams",
-    )
-
-    def __init__(self, request: Request, keys: list[BlockKey],
-                 beam_width: int | None = None) -> None:
-        self.request = request
-        self.keys = keys
-        """Keys of the full blocks whose tokens are known (the prompt's, at first)."""
-        self.blocks: list[BlockId] = []
-        self.num_tokens = 0
-        """Tokens the allocated blocks must hold."""
-        self.num_computed = 0
-        """Tokens whose KV is in the blocks (reused or computed)."""
-        self.num_stored = 0
-        """Leading blocks already in the prefix index."""
-        self.reused_tokens = 0
-        self.reused_full_blocks = 0
-        self.reused_tokens_host = 0
-        """Reused tokens that came from the host tier (onboarded)."""
-        self.partial_tokens = 0
-        self.partial_copied = False
-        self._partial: tuple[BlockId, int] | None = None
-        """A claimed, partially matched block waiting for phase 2."""
-        self.holes = False
-        """Some entry of `blocks` is NO_BLOCK (only sliding-window life cycles make them)."""
-        self.beam_width = request.beam_width if beam_width is None else beam_width
-        self.shared_blocks = 0
-        """Leading block positions all beams share (see the module docstring)."""
-        self.beams: list[list[BlockId]] = [[] for _ in range(self.beam_width - 1)]
-        """Beams 1..w-1: each one's own blocks of positions `shared_blocks` on."""
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks the sequence holds or will hold for its positions, every beam's included."""
-        return len(self.blocks) + sum(len(b) for b in self.beams)
-
-    def beam_blocks(self, beam: int) -> list[BlockId]:
-        """The page table of `beam` (0 = `blocks`)."""
-        if beam == 0:
-            return self.blocks
-        return self.blocks[:self.shared_blocks] + self.beams[beam - 1]
-
-
-class KVCacheManager:
+class KVCacheManager(AddPath, HostTier):
     """Prefix-reusing block manager for one life cycle: a GPU pool and an optional host pool
     whose block ids follow the GPU ones in one id space."""
 
@@ -258,19 +135,6 @@ class KVCacheManager:
 
     # --- public API -----------------------------------------------------------------------
 
-    def match(self, request: Request) -> tuple[list[BlockId], tuple[BlockId, int] | None]:
-        """The stored blocks (GPU or host) a new sequence of `request` would reuse now,
-        without claiming: full blocks, then at most one usable partially matching block with
-        its token count. Reuse stops one token short of the prompt, whose last token is
-        always computed (cross-attention KV excepted: it is all reused or written)."""
-        return self.match_capped(request, request.input_length)
-
-    def estimate_reuse(self, request: Request) -> int:
-        """Tokens a sequence added now would reuse (what a scheduler budgets with), assuming
-        onboards and partial copies get their GPU blocks."""
-        full, partial = self.match(request)
-        return len(full) * self.tpb + (partial[1] if partial is not None else 0)
-
     def refresh(self, now_s: float) -> None:
         """Advance the clock to `now_s` and move each free block whose retention duration
         has ended to the default priority, at the back of its queue (TensorRT-LLM's
@@ -286,23 +150,6 @@ class KVCacheManager:
             if b in fq and prio[b] != DEFAULT_RETENTION_PRIORITY:
                 prio[b] = DEFAULT_RETENTION_PRIORITY
                 fq.requeue(b, DEFAULT_RETENTION_PRIORITY)
-
-    def add_sequence(self, request: Request) -> CacheSeq:
-        """Match, claim and onboard the request's reusable prefix (the sequential path)."""
-        seq = self.claim_match(request, *self.match(request))
-        self._onboard(seq)
-        self._moved.clear()
-        return seq
-
-    def add_sequences(self, requests: list[Request]) -> list[CacheSeq]:
-        """The two-phase batched add: claim the matches of all `requests` (phase 1), then
-        onboard each (phase 2). Phase 2 may evict only blocks no request of the batch matched."""
-        seqs = [self.claim_match(r, *self.match(r)) for r in requests]
-        for seq in seqs:
-            self._onboard(seq)
-        self._moved.clear()
-        return seqs
-
     def resize(self, seq: CacheSeq, num_tokens: int) -> bool:
         """Give `seq` blocks for `num_tokens` tokens. Returns False, allocating nothing, when
         the GPU pool cannot supply them; shrinking is not supported (use `release`)."""
@@ -387,77 +234,6 @@ class KVCacheManager:
         self._unhold(seq.blocks, seq.request)
         seq.holes = False
         seq.blocks = []
-
-    def estimate_add(self, request: Request, plan: AddPlan | None = None
-                     ) -> tuple[int, int, int]:
-        """What adding `request` now would take, without claiming anything (a scheduler's
-        budget before allocation): tokens reused, the sequence's leading blocks those occupy,
-        and the free GPU blocks the add keeps (matched blocks leaving the free queue, onboards
-        of host hits, the partial match's block or its copy). A copy out of a free GPU block
-        needs that block too until phase 2 ends: `plan.transient`.
-
-        `plan` (one `AddPlan` per step) makes the estimates of a step's new requests exact for
-        the batched add of all of them, when they are estimated in the order `add_sequences`
-        gets them: each match sees the claims of the requests estimated before it, as phase 1
-        does; a block several of them claim is drawn once; and a block an earlier one would
-        take in place for a partial match, which a later claim forces phase 2 to copy, costs
-        the later one that copy. The request's claims are entered in `plan`, so estimate only
-        requests the batch adds, in order (a scheduler stops at the first that does not fit)."""
-        if plan is None:
-            plan = AddPlan()
-        full, partial = self.match_capped(request, request.input_length, 0, plan)
-        reused = len(full) * self.tpb + (partial[1] if partial is not None else 0)
-        return reused, len(full) + (partial is not None), self.plan_claims(full, partial, plan)
-
-    def plan_claims(self, full: list[BlockId], partial: tuple[BlockId, int] | None,
-                    plan: AddPlan) -> int:
-        """The free GPU blocks a batched add of the match `(full, partial)` keeps after the
-        claims already in `plan` (see `estimate_add`), which it then joins; sets
-        `plan.transient`."""
-        g, ref = self.gpu.capacity, self.ref_count
-        plan.transient = 0
-        draw = 0
-        for b in full:
-            if b != NO_BLOCK:
-                draw += self._plan_keep(b, plan, g, ref)
-        if partial is None:
-            return draw
-        b, n = partial
-        state = plan.get(b)
-        if self._complete_tail(b, n):  # shared as it is, like a full block
-            return draw + self._plan_keep(b, plan, g, ref)
-        draw += 1  # the block itself, or its copy
-        if b >= g:
-            plan[b] = state or _CLAIMED
-        elif state is None and not ref[b] and not self.index.has_children(b):
-            plan[b] = _TAKEN
-        elif state == _TAKEN:
-            # The earlier request must copy too; the block may come back after both copies,
-            # which this conservatively ignores.
-            draw += 1
-            plan[b] = _CLAIMED
-        elif (state is None and not ref[b]) or state == _COPY_SOURCE:
-            plan[b] = _COPY_SOURCE
-            plan.transient = 1
-        elif state is None:
-            plan[b] = _CLAIMED  # held by a running sequence
-        return draw
-
-    @staticmethod
-    def _plan_keep(b: BlockId, plan: AddPlan, g: int, ref: list[int]) -> int:
-        """Plan a claim that keeps `b` (a full match, a complete cross-attention tail): the
-        free GPU blocks that costs after the plan's earlier claims."""
-        state = plan.get(b)
-        if b >= g:
-            plan[b] = _ONBOARDED
-            return state != _ONBOARDED
-        plan[b] = _CLAIMED
-        if state is None:
-            return not ref[b]
-        # Taken in place by an earlier request, which must now copy it; or a copy source that
-        # now stays claimed.
-        return state == _TAKEN or state == _COPY_SOURCE
-
     def shrink(self, seq: CacheSeq, num_tokens: int) -> int:
         """Undo `resize` down to `num_tokens` tokens before anything past them is computed
         (the revert of a deferred context request): the blocks beyond are returned. Returns
@@ -474,69 +250,6 @@ class KVCacheManager:
         seq.num_tokens = min(seq.num_tokens, num_tokens)
         self._unhold(extra, seq.request, keep)
         return len(extra) - extra.count(NO_BLOCK) if seq.holes else len(extra)
-
-    def match_capped(
-        self, request: Request, max_tokens: int, first_block: int = 0, plan: dict | None = None,
-    ) -> tuple[list[BlockId], tuple[BlockId, int] | None]:
-        """`match` reusing at most `max_tokens` tokens, for a caller that combines several
-        life cycles (`windows.py`): blocks before `first_block` are not looked up (NO_BLOCK
-        stands in for them: a sliding window at the match end does not need them), and a
-        partial match `add` could not use (shared, without copy_on_partial_reuse) is left
-        out, so the match is exactly what `claim_match` reuses unless an onboard or a copy
-        finds no free GPU block. Blocks in `plan` (`estimate_add`) count as claimed."""
-        if not self.spec.enable_block_reuse:
-            return [], None
-        tpb = self.tpb
-        max_tokens = min(max_tokens, request.input_length - (not self.spec.cross_kv))
-        if request.beam_width > 1:
-            # Only the shared context is matched; an unshared last block is every beam's own.
-            max_tokens = min(max_tokens, self._shared_blocks(request) * tpb)
-        keys = request.block_keys(tpb)
-        found = self.index.walk(keys, max_tokens // tpb, first_block)
-        full = [NO_BLOCK] * first_block + found if first_block else found
-        partial = None
-        if self.index.kids is not None:
-            pos = len(full)
-            parent = keys[pos - 1] if full else request.root_key
-            claimable = self._claimable
-            if plan:
-                def claimable(b: BlockId) -> bool:
-                    return b not in plan and self._claimable(b)
-            partial = self.index.best_partial(
-                parent, request, pos, min(tpb, max_tokens - pos * tpb), claimable)
-            if partial is not None and not (self._complete_tail(*partial)
-                                            or self._partial_usable(partial[0], plan)):
-                partial = None
-        return full, partial
-
-    def claim_match(self, request: Request, full: list[BlockId],
-                    partial: tuple[BlockId, int] | None) -> CacheSeq:
-        """Phase 1 for a match (from `match` or `match_capped`): a new sequence of `request`
-        holding `full` (leading NO_BLOCK entries are positions it does not need) and the
-        claimed `partial` block, so no eviction can take them; nothing is allocated.
-        `onboard` completes the add."""
-        seq = CacheSeq(request, request.block_keys(self.tpb))
-        for b in full:
-            if b != NO_BLOCK:
-                self._claim(b)
-        seq.blocks = full
-        seq.holes = bool(full) and full[0] == NO_BLOCK
-        seq.num_stored = seq.reused_full_blocks = len(full)
-        if seq.beams:
-            seq.shared_blocks = self._shared_blocks(request)
-        if partial is not None:
-            self._claim(partial[0])
-            seq._partial = partial
-        self._track(seq)
-        return seq
-
-    def onboard(self, seqs: list[CacheSeq]) -> None:
-        """Phase 2 for sequences from `claim_match`: onboard host hits and settle partial
-        matches, as `add_sequences` does after claiming."""
-        for seq in seqs:
-            self._onboard(seq)
-        self._moved.clear()
-
     def hold_blocks(self, request: Request, num_tokens: int) -> CacheSeq:
         """A one-beam sequence of `request` holding fresh GPU blocks for `num_tokens` tokens
         that it never stores (scratch slots, `windows.py`); the caller has checked that the
@@ -710,64 +423,6 @@ class KVCacheManager:
 
     def _pool(self, b: BlockId) -> BlockPool:
         return self.gpu if b < self.gpu.capacity else self.host
-
-    def _onboard(self, seq: CacheSeq) -> None:
-        """Phase 2: bring host hits to the GPU and settle the partial match. A host hit that
-        cannot get a GPU block ends the reuse there (the rest is recomputed)."""
-        blocks, g = seq.blocks, self.gpu.capacity
-        tpb = self.tpb
-        matched = len(blocks)
-        for i, b in enumerate(blocks):
-            if b < g:
-                continue
-            # One block at a time: the host slot each onboard empties takes the next offload.
-            moved = self._moved.get(b)
-            if moved is None:
-                dst = self._allocate(1, self.priority[b])
-                if dst is None:
-                    self._phase2_failed(seq, "an onboard")
-                    self._drop_claims(seq, i)
-                    break
-                moved = self._move_to_gpu(b, dst[0])
-            blocks[i] = moved
-            seq.reused_tokens_host += tpb
-        reused = len(blocks) * tpb
-        if seq._partial is not None:
-            b, n = seq._partial
-            b = self._moved.get(b, b)
-            seq._partial = None
-            if len(blocks) == matched:  # the full prefix survived
-                reused += self._reuse_partial(seq, b, n)
-            else:
-                self._unclaim(b)
-        seq.reused_tokens = seq.num_computed = seq.num_tokens = reused
-
-    def _phase2_failed(self, seq: CacheSeq, what: str) -> None:
-        if self.spec.strict_phase2:
-            raise Phase2AllocationError(seq.request.id, what)
-        self.phase2_alloc_failures += 1
-
-    def _drop_claims(self, seq: CacheSeq, keep: int) -> None:
-        for b in seq.blocks[keep:]:
-            self._unclaim(self._moved.get(b, b))
-        del seq.blocks[keep:]
-        seq.num_stored = seq.reused_full_blocks = keep
-
-    def _move_to_gpu(self, b: BlockId, dst: BlockId) -> BlockId:
-        """Onboard claimed host block `b` into fresh GPU block `dst`, which inherits every claim
-        on `b`; the host slot becomes empty and is handed out next (TensorRT-LLM #18868)."""
-        self._emit(CopyKind.ONBOARD, Tier.HOST, b, Tier.GPU, dst, self.index.num_tokens(b))
-        self.index.move(b, dst)
-        if self._fresh is not None:
-            self._fresh[dst] = 0
-        self.onboard_blocks += 1
-        self._moved[b] = dst
-        self.ref_count[dst] = self.ref_count[b]
-        self.ref_count[b] = 0
-        self.host.num_in_use -= 1
-        self.host.empty.append(b)
-        return dst
-
     def _claim(self, b: BlockId) -> None:
         r = self.ref_count[b]
         if r == 0:
@@ -785,49 +440,6 @@ class KVCacheManager:
             pool = self._pool(b)
             pool.num_in_use -= 1
             pool.free_queue.push_back(b, self.priority[b])
-
-    def _claimable(self, b: BlockId) -> bool:
-        """A partial match can take `b` itself, without a copy: free, on the GPU, childless.
-        Among equally long partial matches the cache prefers such a block: a copy costs a
-        block, and without `copy_on_partial_reuse` it would mean no reuse at all."""
-        return self.ref_count[b] == 0 and b < self.gpu.capacity and not self.index.has_children(b)
-
-    def _partial_usable(self, b: BlockId, plan: dict | None = None) -> bool:
-        shared = (self.ref_count[b] > 0 or self.index.has_children(b) or b >= self.gpu.capacity
-                  or (plan is not None and b in plan))
-        return not shared or self.spec.copy_on_partial_reuse
-
-    def _complete_tail(self, b: BlockId, n: int) -> bool:
-        """Cross-attention KV whose stored unfilled last block matches in full: it is final
-        (never grown), so it is shared as it is, like a full block."""
-        return self.spec.cross_kv and b < self.gpu.capacity and n == self.index.num_tokens(b)
-
-    def _reuse_partial(self, seq: CacheSeq, b: BlockId, n: int) -> int:
-        """Settle a claimed partial match: share a complete cross-attention tail; take the
-        block itself when nobody else can need it (only this claim, no children, on the GPU),
-        else copy its first `n` tokens into a fresh block. Returns the tokens reused."""
-        if self._complete_tail(b, n):
-            seq.blocks.append(b)  # keeps the claim and its place in the index
-        elif self.ref_count[b] == 1 and b < self.gpu.capacity and not self.index.has_children(b):
-            self.index.remove(b)  # its tokens past `n` will be overwritten
-            seq.blocks.append(b)
-        else:
-            new = self._allocate(1, seq.request.priority)
-            src_tier = self._pool(b).tier
-            self._unclaim(b)
-            if new is None:
-                self._phase2_failed(seq, "a partial copy")
-                return 0
-            dst = new[0]
-            self.partial_copy_blocks += 1
-            self._emit(CopyKind.PARTIAL, src_tier, b, Tier.GPU, dst, n)
-            seq.blocks.append(dst)
-            seq.partial_copied = True
-            if src_tier is Tier.HOST:
-                seq.reused_tokens_host += n
-        seq.partial_tokens = n
-        return n
-
     def _allocate(self, n: int, priority: int) -> list[BlockId] | None:
         pool = self.gpu
         empty, fq = pool.empty, pool.free_queue
@@ -857,104 +469,6 @@ class KVCacheManager:
         if pool.num_in_use > pool.peak_in_use:
             pool.peak_in_use = pool.num_in_use
         return out
-
-    def _offload(self, victims: list[BlockId]) -> None:
-        """Move evicted GPU blocks' data to the host where allowed and possible, else drop it,
-        exactly as offloading them one at a time in eviction order would: a victim below
-        `secondary_offload_min_priority` is dropped; any other takes an empty host block, else
-        the host's next victim (the LRU block of its lowest priority), whose data is dropped;
-        with every host block claimed it is dropped. When that next victim is a block an
-        earlier victim of the same call was just moved to, the earlier victim is dropped
-        instead and its copy (whose destination this one overwrites) is never made: the
-        counters count only data that moved and data that was dropped.
-
-        In bulk while that cannot happen: host blocks at or below the lowest victim priority
-        leave before any victim placed behind them."""
-        host, index, prio = self.host, self.index, self.priority
-        min_prio = self.spec.secondary_offload_min_priority
-        drop = [v for v in victims if prio[v] < min_prio]
-        if drop:
-            victims = [v for v in victims if prio[v] >= min_prio]
-        empty, fq = host.empty, host.free_queue
-        n = len(victims)
-        k = min(n, len(empty))
-        dsts = empty[len(empty) - k:]
-        dsts.reverse()
-        del empty[len(empty) - k:]
-        evicted = 0
-        if k < n:
-            old = fq.pop_front_many(n - k, min(prio[v] for v in victims))
-            index.remove_many(old)
-            evicted = len(old)
-            dsts.extend(old)
-        srcs = victims[:len(dsts)]
-        # Queue the bulk-placed victims in eviction order, one run per priority level.
-        run_start, m = 0, len(srcs)
-        for i in range(1, m + 1):
-            if i == m or prio[srcs[i]] != prio[srcs[run_start]]:
-                level = prio[srcs[run_start]]
-                run = dsts[run_start:i]
-                for h in run:
-                    prio[h] = level
-                fq.push_back_many(run, level)
-                run_start = i
-        if m < n:
-            evicted += self._offload_one_by_one(victims[m:], srcs, dsts, drop)
-        if self._expiring:
-            expires, expiring = self.expires, self._expiring
-            for v, h in zip(srcs, dsts):
-                t = expires[h] = expires[v]
-                if t:
-                    heappush(expiring, (t, h))
-        if drop:
-            index.remove_many(drop)
-        if self.spec.emit_copy_ops:
-            num_tokens = index.num_tokens
-            for v, h in zip(srcs, dsts):
-                self.copy_ops.append(CopyOp(CopyKind.OFFLOAD, Tier.GPU, v, Tier.HOST, h,
-                                            num_tokens(v)))
-        index.move_many(srcs, dsts)
-        self.offload_blocks += len(srcs)
-        self.host_evicted_blocks += evicted
-        held = host.capacity - len(empty)
-        if held > self.peak_host_blocks:
-            self.peak_host_blocks = held
-
-    def _offload_one_by_one(self, victims: list[BlockId], srcs: list[BlockId],
-                            dsts: list[BlockId], drop: list[BlockId]) -> int:
-        """`_offload` for the victims the bulk part could not place: each evicts the host's
-        next victim (placed victims included). Appends the moves to `srcs`/`dsts` (a move a
-        later victim undoes leaves them, its victim joins `drop`); returns the host blocks
-        whose data was dropped."""
-        fq, index, prio = self.host.free_queue, self.index, self.priority
-        placed = {h: i for i, h in enumerate(dsts)}
-        undone = False
-        evicted = 0
-        for v in victims:
-            h = fq.front()
-            if h is None:  # every host block is claimed
-                drop.append(v)
-                continue
-            fq.remove(h)
-            j = placed.get(h)
-            if j is None:
-                index.remove(h)
-                evicted += 1
-            else:
-                drop.append(srcs[j])
-                srcs[j] = NO_BLOCK
-                undone = True
-            placed[h] = len(srcs)
-            srcs.append(v)
-            dsts.append(h)
-            p = prio[h] = prio[v]
-            fq.push_back(h, p)
-        if undone:
-            kept = [i for i, v in enumerate(srcs) if v != NO_BLOCK]
-            srcs[:] = [srcs[i] for i in kept]
-            dsts[:] = [dsts[i] for i in kept]
-        return evicted
-
     def _emit(self, kind: CopyKind, src_tier: Tier, src: BlockId, dst_tier: Tier, dst: BlockId,
               num_tokens: int) -> None:
         if self.spec.emit_copy_ops:

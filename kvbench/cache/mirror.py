@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .manager import CacheSeq, KVCacheManager
+from .manager import KVCacheManager
+from .seq import CacheSeq
 
 if TYPE_CHECKING:
     from ..traffic.request import Request

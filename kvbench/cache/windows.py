@@ -69,8 +69,9 @@ import numpy as np
 
 from .ids import BlockId, CopyOp
 from .lifecycle import LifeCycle
-from .manager import (NO_BLOCK, AddPlan, CacheSeq, CacheSpec, KVCacheManager, grow_blocks,
-                      shared_blocks)
+from .add import AddPlan
+from .manager import CacheSpec, KVCacheManager
+from .seq import NO_BLOCK, CacheSeq, grow_blocks, shared_blocks
 from .protocol import PageView
 
 if TYPE_CHECKING:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..cache.manager import KVCacheManager, Phase2AllocationError
+from ..cache.add import Phase2AllocationError
+from ..cache.manager import KVCacheManager
 from ..cache.protocol import CacheManager
 from ..traffic.request import Request
 from .cross import CrossTally, cross_ops, cross_step, encoder_ids

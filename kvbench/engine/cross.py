@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache.manager import CacheSeq, KVCacheManager
+from ..cache.manager import KVCacheManager
+from ..cache.seq import CacheSeq
 from ..kernels.step import CrossKV, StepItem
 from ..traffic.request import Request, namespace_salt
 

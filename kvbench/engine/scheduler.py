@@ -42,11 +42,12 @@ from enum import IntEnum
 from heapq import heappop
 from typing import TYPE_CHECKING
 
-from ..cache.manager import AddPlan
+from ..cache.add import AddPlan
 
 if TYPE_CHECKING:
-    from ..cache.manager import CacheSeq, KVCacheManager
+    from ..cache.manager import KVCacheManager
     from ..cache.protocol import CacheManager
+    from ..cache.seq import CacheSeq
     from ..config import SchedulerConfig
     from ..traffic.request import Request, StreamView
 

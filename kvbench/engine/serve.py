@@ -36,7 +36,8 @@ from heapq import heappop, heappush
 
 import numpy as np
 
-from ..cache.manager import KVCacheManager, Phase2AllocationError
+from ..cache.add import Phase2AllocationError
+from ..cache.manager import KVCacheManager
 from ..cache.protocol import CacheManager
 from ..kernels.step import StepItem, beam_tokens
 from ..traffic.request import Request

@@ -27,15 +27,15 @@ app.add_typer(trace_app, name="trace")
 out = Console()
 err = Console(stderr=True)
 
-_type_shown = typer.core.TyperOption.display_type_rich
+# A flag takes no value, so its type (`<bool>`) is noise in the help. The hook is a typer
+# internal that not every typer release has (`typer>=0.12` is all we require): without it
+# the help shows the type and nothing else changes.
+_type_shown = getattr(typer.core.TyperOption, "display_type_rich", None)
+if _type_shown is not None:
+    def _no_flag_type(self, ctx):
+        return None if self.is_flag else _type_shown(self, ctx)
 
-
-def _no_flag_type(self, ctx):
-    # A flag takes no value, so its type (`<bool>`) is noise in the help.
-    return None if self.is_flag else _type_shown(self, ctx)
-
-
-typer.core.TyperOption.display_type_rich = _no_flag_type
+    typer.core.TyperOption.display_type_rich = _no_flag_type
 
 
 def _version(value: bool) -> None:

@@ -478,3 +478,17 @@ def test_a_run_with_a_list_for_its_workload_name_is_refused(tiny, tmp_path, caps
     result.write_text(json.dumps(data))
     code, _, err = run_cli(["report", result, "--out", tmp_path / "rep"], capsys)
     assert one_error(code, err).startswith(f"{result}: runs[0]: expected an object")
+
+
+def test_cli_runs_on_a_typer_without_the_help_hook():
+    # A GPU machine's typer had no TyperOption.display_type_rich and every command died on
+    # import; the help tweak must be optional.
+    code = ("import typer.core\n"
+            "for k in typer.core.TyperOption.__mro__:\n"
+            "    if 'display_type_rich' in vars(k): delattr(k, 'display_type_rich')\n"
+            "import sys; sys.argv = ['kvbench', 'validate', 'workloads/quickstart.yaml']; "
+            "from kvbench.cli import main; main()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr

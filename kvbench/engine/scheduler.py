@@ -104,6 +104,11 @@ class ServeRequest:
         """Its encoder input's hold on the cross-attention cache (encoder-decoder)."""
 
 
+def by_idx(r: ServeRequest) -> int:
+    """Sort key of requests in arrival order."""
+    return r.idx
+
+
 class ContextWork:
     """One context request's part of a step: planned by the scheduler, placed by the loop."""
 

@@ -27,6 +27,9 @@ after all adds and allocations and before any commit, runs the copy ops the step
 then the K/V writes and attention of every token it computes (context chunks of the placed
 requests, one token per decoder); deferred requests computed nothing and run nothing. Every
 step's attention must run, so there are no jumps then.
+
+`ServeLoop`'s speculative decoding steps are in `serve_spec.py`, its data-plane step in
+`serve_plane.py`.
 """
 
 from __future__ import annotations
@@ -39,14 +42,14 @@ import numpy as np
 from ..cache.add import Phase2AllocationError
 from ..cache.manager import KVCacheManager
 from ..cache.protocol import CacheManager
-from ..kernels.step import StepItem, beam_tokens
 from ..traffic.request import Request
 from .clock import MeasuredClock, ProfileClock, StepClock
-from .cross import CrossTally, cross_ops, cross_step, encoder_ids
-from .plane import step_items
-from .scheduler import ContextWork, Phase, Scheduler, ServeRequest
+from .cross import CrossTally
+from .scheduler import ContextWork, Phase, Scheduler, ServeRequest, by_idx
+from .serve_plane import PlaneSteps
 from .serve_result import (SERVE_COUNTERS, TIMELINE_COLUMNS, ContextChunk, FinishedRequests,
                            ServeResult, StepRecord)
+from .serve_spec import SpeculativeSteps
 from .speculative import Speculation
 from .timeline import Timeline
 
@@ -64,7 +67,7 @@ def run_serve(
     return ServeLoop(requests, manager, scheduler, clock, **options).run()
 
 
-class ServeLoop:
+class ServeLoop(SpeculativeSteps, PlaneSteps):
     """The state of one serve-mode run; `run` drives it. Requests are pulled from their
     iterable as the clock reaches them, and a request's state lives only while it waits or
     runs (with `keep_states`, `states` keeps every arrived one, for observers)."""
@@ -310,62 +313,6 @@ class ServeLoop:
                 [(r.d_pos0, r.drafts) for r in self.decoders.values()])
         return tokens, dt
 
-    def _execute(self, work: list[ContextWork]):
-        """Run the step on the data plane, before anything it computes is committed. With
-        sliding windows, each sequence is one item per pool: the blocks from the first one its
-        queries read, and the step's scratch pages."""
-        mgr, step = self.manager, self.step
-        ops = mgr.drain_copy_ops()
-        if self.cross is not None:
-            cross_ops(self.data_plane, self.cross, ops)
-        runs = [(w.req, w.start, w.end, w.new) for w in work]
-        for r in self.decoders.values():
-            pos = r.d_pos0 + step - r.d_step0
-            runs.append((r, pos, pos + 1 + r.drafts, False))
-        if self.draft_plane is not None:
-            self._execute_draft(runs)
-        items, encoder = [], []
-        for r, start, end, first in runs:
-            view = None
-            if r.cross_seq is not None:  # the encoder's KV is written with the first chunk
-                view = cross_step(r.request.id, r.cross_seq, self._stream(r, -1), first,
-                                  encoder)
-            items += step_items(mgr, r.request.id, r.seq, start, end,
-                                lambda beam, r=r: self._stream(r, beam), view)
-        if ops or items:
-            return self.data_plane.execute_step(ops, items, encoder)
-        return None
-
-    def _execute_draft(self, runs: list[tuple[ServeRequest, int, int, bool]]) -> None:
-        """The draft model's KV on its own data plane: it prefills the step's context chunks
-        and writes the positions it drafts from (`p .. p + k - 1` of a decoder at `p`, after
-        catching up on the last accepted one it never drafted from)."""
-        draft, ends = self.draft, self._draft_end
-        ops = list(draft.copy_ops)
-        draft.copy_ops.clear()
-        items = []
-        for r, start, end, _ in runs:
-            if r.phase is Phase.DECODE:
-                end -= 1  # the target's token after the last draft is not drafted from
-                start = min(start, ends.get(r.idx, start))
-            ends[r.idx] = max(end, start)
-            if start < end:
-                items.append(StepItem(r.request.id, self._stream(r),
-                                      self.manager.draft_of(r.seq).blocks, start, end))
-        if ops or items:
-            self.draft_plane.execute_step(ops, items)
-
-    def _stream(self, r: ServeRequest, beam: int = 0) -> np.ndarray:
-        """Token ids of beam `beam` of `r`'s stream; beam -1: its encoder input's
-        (`cross.encoder_ids`)."""
-        tokens = self._tokens.get((r.idx, beam))
-        if tokens is None and beam < 0:
-            tokens = self._tokens[(r.idx, beam)] = encoder_ids(r.request.encoder)
-        elif tokens is None:
-            tokens = self._tokens[(r.idx, beam)] = beam_tokens(
-                r.request, beam, r.context_len, r.request.stream_length)
-        return tokens
-
     def _generation_phase(self, preempted: list[int]) -> list[ServeRequest]:
         """Give each decoder with an event now its next block; returns those finishing."""
         step, tpb, mgr, events = self.step, self.tpb, self.manager, self.events
@@ -394,49 +341,6 @@ class ServeLoop:
             else:
                 self._push_event(r, step + tpb - pos % tpb)
         return finishing
-
-    def _reserve_drafts(self, preempted: list[int]) -> list[ServeRequest]:
-        """Speculative decoding: each decoder (oldest first) gets blocks for the tokens it
-        verifies this step and the reserved extra tokens, preempting the newest running
-        request when the pool is dry. Returns the decoders that compute this step."""
-        mgr, spec = self.manager, self.spec
-        for r in sorted(self.decoders.values(), key=_by_idx):
-            if r.phase is not Phase.DECODE:
-                continue  # preempted for an older decoder
-            r.drafts = spec.drafts(r.request.output_length - r.generated)
-            seq = r.seq
-            need = max(seq.num_tokens, r.d_pos0 + 1 + r.drafts + spec.reserved)
-            while not mgr.resize(seq, need):
-                victim = self._newest()
-                self._preempt(victim)
-                preempted.append(victim.request.id)
-                if victim is r:
-                    break
-        computing = sorted(self.decoders.values(), key=_by_idx)
-        self.gen_tokens = sum(r.drafts + 1 for r in computing)
-        return computing
-
-    def _accept_drafts(self, computing: list[ServeRequest]) -> list[int]:
-        """After a speculative step: draw each decoder's accepted drafts, commit the valid KV
-        and advance it (re-anchored at the next step); returns the ids that finished."""
-        mgr, spec, step = self.manager, self.spec, self.step
-        done = []
-        for r in computing:
-            produced = spec.accept(r.drafts) + 1
-            pos = r.d_pos0 + produced
-            r.generated += produced
-            mgr.commit(r.seq, pos)
-            self._drop_decoder(r)  # and back in with its new anchor, unless it finished
-            if r.generated >= r.request.output_length:
-                r.generated = r.request.output_length
-                self._release(r)
-                done.append(r.request.id)
-                continue
-            r.d_step0, r.d_pos0, r.d_gen0 = step + 1, pos, r.generated
-            self.decoders[r.idx] = r
-            self.dec_k += r.d_pos0 - r.d_step0
-            self.gen_tokens += 1
-        return done
 
     def _place(self, plan: list[ContextWork]) -> list[ContextWork]:
         """Add the new context requests to the cache and give every planned chunk its blocks;
@@ -487,7 +391,7 @@ class ServeLoop:
                 continue
             placed.append(w)
         if len(self.prefilling) > 1:
-            self.prefilling.sort(key=_by_idx)
+            self.prefilling.sort(key=by_idx)
         return placed
 
     def _hold_or_revert(self, work: list[ContextWork]) -> None:
@@ -678,7 +582,3 @@ class ServeLoop:
         r.finish_s = self.now
         self.finished += 1
         self.done.add(r)
-
-
-def _by_idx(r: ServeRequest) -> int:
-    return r.idx

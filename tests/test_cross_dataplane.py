@@ -254,15 +254,15 @@ def test_encoder_writes_cover_exactly_what_was_not_reused(monkeypatch, mode):
 
 
 def test_skipped_encoder_write_in_serve_is_caught(monkeypatch):
-    from kvbench.engine import serve
+    from kvbench.engine import serve_plane
     from kvbench.runner import run_workload
 
-    real = serve.cross_step
+    real = serve_plane.cross_step
 
     def skip(request_id, cseq, tokens, first, encoder):
         return real(request_id, cseq, tokens, first, [])  # the write never reaches the plane
 
-    monkeypatch.setattr(serve, "cross_step", skip)
+    monkeypatch.setattr(serve_plane, "cross_step", skip)
     (out,) = run_workload(_workload(["variants=[]"]))
     m = out.metrics
     assert m["verified"] is False

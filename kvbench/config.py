@@ -1,41 +1,39 @@
 """Workload YAML -> validated pydantic models, with `--set` overrides and one-line
-`FILE:LINE:COL: dotted.key: message` errors (DESIGN.md sections 3 and 4)."""
+`FILE:LINE:COL: dotted.key: message` errors (DESIGN.md sections 3 and 4).
+
+The `Workload` model and its sections: model, hardware, cache (and its policies), scheduler,
+speculative, run, variants. The `requests:` section is in `config_requests.py`, `tune:` in
+`config_tune.py`, their common base in `config_base.py`; dotted keys and `--set` in
+`config_keys.py`."""
 
 from __future__ import annotations
 
 import copy
 import hashlib
 import json
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, NamedTuple, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
-    AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     PositiveInt,
     PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
-    model_validator,
 )
 
-from kvbench.cache.ids import Retention, TokenRangeRetention
-from kvbench.config_errors import Origin, as_model, describe, unwrap_optional
+from kvbench.config_base import Section
+from kvbench.config_errors import Origin, describe
+from kvbench.config_keys import BadKey, apply_sets, parse_set, set_dotted, unused_by
+from kvbench.config_requests import RequestsConfig
+from kvbench.config_tune import TuneConfig
 from kvbench.errors import InputError
-from kvbench.metrics import DEFAULT_OBJECTIVES, direction
-from kvbench.yamlsource import MAX_WORKLOAD_BYTES, parse_value, parse_yaml, show_value
+from kvbench.yamlsource import MAX_WORKLOAD_BYTES, parse_yaml, show_value
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1}
-
-
-class _BadKey(ValueError):
-    """A dotted key that names no workload field, or cannot be set in the data."""
 
 
 MAX_WINDOW = 2**31 - 1
@@ -48,28 +46,12 @@ def _is_positive_int(value: Any, limit: int = MAX_WINDOW) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= limit
 
 
-def _require_number(value: Any) -> Any:
-    # Checked before the int|float union so a bad value gets one clear message instead of one
-    # error per union member.
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"expected a number (got {show_value(value)})")
-    return value
-
-
-Number = Annotated[Union[int, float], BeforeValidator(_require_number)]
-
-
 def _off_is_false(value: Any) -> Any:
     # YAML 1.1 reads a bare `off` (and `no`) as false; `verify: off` means the word.
     return "off" if value is False else value
 
 
-class _Section(BaseModel):
-    # strict: YAML already types its scalars, so "32" or true where an int belongs is a mistake.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Attention shape of the served model."""
 
     num_layers: int = Field(32, gt=0, description="Number of transformer layers.")
@@ -145,7 +127,7 @@ class ModelConfig(_Section):
         return [window[i % len(window)] for i in range(self.num_layers)]
 
 
-class HardwareConfig(_Section):
+class HardwareConfig(Section):
     """Accelerator whose speeds the step-time model uses; overrides replace the preset's values."""
 
     preset: Literal["H100-SXM", "H200", "A100-80G", "L40S"] = Field(
@@ -168,7 +150,7 @@ class HardwareConfig(_Section):
     )
 
 
-class SLRUConfig(_Section):
+class SLRUConfig(Section):
     """Segmented LRU with a ghost history (`cache.eviction_policy: slru`)."""
 
     protected_ratio: float = Field(
@@ -177,7 +159,7 @@ class SLRUConfig(_Section):
         8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks.")
 
 
-class S3FIFOConfig(_Section):
+class S3FIFOConfig(Section):
     """S3-FIFO (`cache.eviction_policy: s3fifo`)."""
 
     small_ratio: float = Field(
@@ -187,7 +169,7 @@ class S3FIFOConfig(_Section):
         1.0, gt=0, description="Ghost keys remembered, as a multiple of the pool's blocks.")
 
 
-class GDSFConfig(_Section):
+class GDSFConfig(Section):
     """Depth- and chain-aware GDSF (`cache.eviction_policy: gdsf`)."""
 
     freq_weight: float = Field(
@@ -197,7 +179,7 @@ class GDSFConfig(_Section):
         8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks.")
 
 
-class PredictiveConfig(_Section):
+class PredictiveConfig(Section):
     """Online-learnt reuse chance per use-count class (`cache.eviction_policy: predictive`)."""
 
     horizon_ratio: float = Field(
@@ -211,7 +193,7 @@ class PredictiveConfig(_Section):
         8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks.")
 
 
-class PolicyConfig(_Section):
+class PolicyConfig(Section):
     """Parameters of each eviction policy; only the chosen one's are used."""
 
     slru: SLRUConfig = Field(default_factory=SLRUConfig, description="slru parameters.")
@@ -221,7 +203,7 @@ class PolicyConfig(_Section):
         default_factory=PredictiveConfig, description="predictive parameters.")
 
 
-class CacheConfig(_Section):
+class CacheConfig(Section):
     """Paged KV cache; keys mean what they mean in TensorRT-LLM's KvCacheConfig."""
 
     tokens_per_block: int = Field(32, gt=0, description="Block size in tokens.")
@@ -305,7 +287,7 @@ class CacheConfig(_Section):
         return value
 
 
-class SchedulerConfig(_Section):
+class SchedulerConfig(Section):
     """Serve-mode scheduler budget and delay batching."""
 
     max_num_tokens: int = Field(8192, gt=0, description="Token budget per step (MNT).")
@@ -325,7 +307,7 @@ class SchedulerConfig(_Section):
     )
 
 
-class SpeculativeConfig(_Section):
+class SpeculativeConfig(Section):
     """Speculative decoding in serve mode (TensorRT-LLM's speculative_config and the extra KV
     tokens its resource manager adds after `add_sequence_batch`)."""
 
@@ -362,207 +344,7 @@ class SpeculativeConfig(_Section):
         return self.num_extra_kv_tokens + self.num_extra_decoding_steps
 
 
-class SyntheticConfig(_Section):
-    """Synthetic traffic generator."""
-
-    generator: Literal["shared_prefix", "multi_turn"] = Field(
-        "multi_turn", description="Traffic shape."
-    )
-    num_requests: int = Field(200, gt=0, description="Number of requests.")
-    system_prompt_tokens: int = Field(
-        1024, ge=0, description="Shared system prompt length in tokens."
-    )
-    prompt_tokens: int = Field(
-        256, gt=0, description="Mean new user tokens per request: the question (shared_prefix)"
-        " or the user message of a turn (multi_turn)."
-    )
-    profile_tokens: int | None = Field(
-        None, ge=0, description="shared_prefix: tokens of each user's fixed profile between the"
-        " system prompt and the question; null = prompt_tokens."
-    )
-    prompt_tokens_spread: float = Field(
-        0.5, ge=0, le=1, description="Uniform +-spread of prompt_tokens, as a fraction of the mean."
-    )
-    output_tokens: int = Field(128, gt=0, description="Mean output tokens per request.")
-    num_users: int = Field(16, gt=0, description="Distinct users (sessions).")
-    turns: int = Field(4, gt=0, description="Turns per session (multi_turn).")
-    arrival: Literal["poisson", "burst"] = Field("poisson", description="Arrival process.")
-    rate: float = Field(4.0, gt=0, description="Mean arrival rate in requests/s.")
-    vocab_size: int = Field(32000, gt=0, description="Token ids are drawn from [0, vocab_size).")
-
-
-class SessionsConfig(_Section):
-    """When sessions that carry no absolute time start (weka conversations, untimed traces)."""
-
-    start: Literal["back_to_back", "stagger", "poisson"] = Field(
-        "back_to_back",
-        description="back_to_back = each when the previous one's last request arrives; "
-        "stagger = every interval_s; poisson = exponential gaps at rate.",
-    )
-    interval_s: float | None = Field(
-        None, gt=0, validate_default=True, description="stagger: seconds between session starts."
-    )
-    rate: float | None = Field(
-        None, gt=0, validate_default=True, description="poisson: sessions started per second."
-    )
-
-    @field_validator("interval_s")
-    @classmethod
-    def _interval_for_stagger(cls, value: float | None, info: ValidationInfo) -> float | None:
-        return _needed_by(value, info, "stagger", "interval_s")
-
-    @field_validator("rate")
-    @classmethod
-    def _rate_for_poisson(cls, value: float | None, info: ValidationInfo) -> float | None:
-        return _needed_by(value, info, "poisson", "rate")
-
-
-def _needed_by(value, info: ValidationInfo, start: str, key: str):
-    chosen = info.data.get("start")
-    if chosen == start and value is None:
-        raise ValueError(f"required when requests.sessions.start is '{start}'")
-    if chosen is not None and chosen != start and value is not None:
-        raise ValueError(f"only used when requests.sessions.start is '{start}' (got {show_value(value)})")
-    return value
-
-class TokenRangeRetentionConfig(_Section):
-    """Retention of the prompt blocks that start in tokens [start, end)."""
-
-    start: int = Field(ge=0, description="First prompt token of the range.")
-    end: int | None = Field(
-        None, gt=0, description="One past the last token; null = to the end of the prompt."
-    )
-    priority: int = Field(ge=0, le=100, description="Retention priority 0..100 (default 35).")
-    duration_ms: Number | None = Field(
-        None,
-        gt=0,
-        description="Time a freed block keeps the priority before it drops to 35; null = always.",
-    )
-
-
-class RetentionConfig(_Section):
-    """Retention priorities of every request's blocks, as TensorRT-LLM's
-    KvCacheRetentionConfig: lower priorities are evicted first, each level in LRU order."""
-
-    token_ranges: list[TokenRangeRetentionConfig] = Field(
-        default_factory=list,
-        description="Priorities of prompt blocks by token range (sorted, non-overlapping); a"
-        " block takes the range holding its first token, others keep 35.",
-    )
-    decode_priority: int = Field(
-        35, ge=0, le=100, description="Retention priority of the blocks generated in decode."
-    )
-    decode_duration_ms: Number | None = Field(
-        None, gt=0, description="Duration of decode_priority; null = always."
-    )
-
-    @model_validator(mode="after")
-    def _ranges_ordered(self) -> RetentionConfig:
-        prev = None
-        for i, r in enumerate(self.token_ranges):
-            if r.end is not None and r.end <= r.start:
-                raise ValueError(f"token_ranges[{i}]: expected end > start (got start={r.start},"
-                                 f" end={r.end})")
-            if prev is not None and (prev.end is None or r.start < prev.end):
-                raise ValueError(f"token_ranges[{i}]: expected ranges sorted by start and not"
-                                 " overlapping")
-            prev = r
-        return self
-
-    def to_retention(self) -> Retention:
-        return Retention(
-            tuple(TokenRangeRetention(r.start, r.end, r.priority, r.duration_ms)
-                  for r in self.token_ranges),
-            self.decode_priority, self.decode_duration_ms)
-
-
-class EncoderConfig(_Section):
-    """Encoder inputs of encoder-decoder requests (e.g. audio frames of a Whisper-style model):
-    their cross-attention KV goes to a cache of its own (`cache.cross_kv_cache_fraction`)."""
-
-    tokens: int = Field(0, ge=0, description="Mean encoder tokens per input; 0 = no encoder.")
-    tokens_spread: float = Field(
-        0.0, ge=0, le=1, description="Uniform +-spread of tokens, as a fraction of the mean."
-    )
-    distinct_inputs: int = Field(
-        16, gt=0, description="Distinct encoder inputs; requests pick one uniformly (seeded)."
-    )
-    fraction: float = Field(
-        1.0, ge=0, le=1, description="Share of requests that carry an encoder input."
-    )
-
-
-class RequestsConfig(_Section):
-    """Where requests come from."""
-
-    source: Literal["synthetic", "trace"] = Field(
-        "synthetic", description="synthetic generator or trace file."
-    )
-    format: Literal["auto", "mooncake", "bailian", "servegen", "weka", "token_ids",
-                    "lengths_csv"] = Field(
-        "auto", description="Trace format; auto = sniffed from the first record."
-    )
-    path: str | None = Field(
-        None,
-        validate_default=True,
-        description="Trace file (a folder for weka), relative to the YAML file; required when "
-        "source is trace.",
-    )
-    block_tokens: int | None = Field(
-        None, gt=0, le=1 << 20,
-        description="Tokens per hash id; null = the format's (mooncake 512, bailian and "
-        "servegen 16, weka the file's block_size).",
-    )
-    hash_ids_cover: Literal["ceil", "floor", "auto"] | None = Field(
-        None,
-        description="ceil = one id per block incl. the partial last one; floor = full blocks "
-        "only; auto = detected per trace; null = the format's (weka floor, others ceil).",
-    )
-    sessions: SessionsConfig = Field(
-        default_factory=SessionsConfig, description="Start times of sessions without them."
-    )
-    output_length: int = Field(
-        128, ge=0, description="Output tokens of each request of a trace that records none "
-        "(servegen)."
-    )
-    limit: int | None = Field(None, gt=0, description="Use only the first N requests.")
-    skip: int = Field(
-        0, ge=0, description="Drop the first N requests first (limit counts from there); the"
-        " rest keeps its arrival times, shifted to start at 0.")
-    time_scale: float = Field(1.0, gt=0, description="Arrival times are multiplied by this.")
-    synthetic: SyntheticConfig = Field(
-        default_factory=SyntheticConfig, description="Synthetic generator settings."
-    )
-    beam_width: int = Field(
-        1, ge=1, le=64, description="Beams per request (beam search), unless beam_widths is set."
-    )
-    encoder: EncoderConfig = Field(
-        default_factory=EncoderConfig,
-        description="Encoder inputs (encoder-decoder requests); off unless encoder.tokens > 0.",
-    )
-    beam_widths: list[Annotated[int, Field(ge=1, le=64)]] | None = Field(
-        None,
-        min_length=1,
-        description="Per request, a beam width drawn uniformly (seeded by run.seed) from this list.",
-    )
-    retention: RetentionConfig | None = Field(
-        None,
-        description="Retention priorities of every request's blocks (e.g. keep the system"
-        " prompt); null = every block at the default priority 35.",
-    )
-
-    @field_validator("path")
-    @classmethod
-    def _path_matches_source(cls, value: str | None, info: ValidationInfo) -> str | None:
-        source = info.data.get("source")
-        if source == "trace" and value is None:
-            raise ValueError("required when requests.source is 'trace'")
-        if source == "synthetic" and value is not None:
-            raise ValueError(f"only used when requests.source is 'trace' (got {show_value(value)})")
-        return value
-
-
-class RunConfig(_Section):
+class RunConfig(Section):
     """How the benchmark runs."""
 
     mode: Literal["cache", "serve"] = Field(
@@ -585,7 +367,7 @@ class RunConfig(_Section):
     progress: bool = Field(True, description="Show a progress bar.")
 
 
-class Variant(_Section):
+class Variant(Section):
     """A run of the same requests with some keys overridden."""
 
     name: str = Field(min_length=1, description="Variant name, unique within the workload.")
@@ -594,132 +376,7 @@ class Variant(_Section):
     )
 
 
-def _check_dotted_key(key: str) -> str:
-    """Raise _BadKey unless `key` names a workload field, walking sub-models."""
-    model: type[BaseModel] | None = Workload
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        if model is None:
-            raise _BadKey(f"unknown key {key}; {'.'.join(parts[:i])} has no sub-keys")
-        if part not in model.model_fields:
-            raise _BadKey(f"unknown key {key}; expected one of: {', '.join(model.model_fields)}")
-        model = as_model(model.model_fields[part].annotation)
-    return key
-
-
-def key_annotation(key: str) -> Any:
-    """The type annotation of a dotted workload key (already checked to exist), `X | None`
-    unwrapped to `X`."""
-    model: type[BaseModel] | None = Workload
-    annotation: Any = None
-    for part in key.split("."):
-        annotation = unwrap_optional(model.model_fields[part].annotation)
-        model = as_model(annotation)
-    return annotation
-
-
-class SpaceEntry(_Section):
-    """One tuned parameter: either `choices`, or a `low`..`high` range."""
-
-    choices: list[Any] | None = Field(
-        None, min_length=1, description="Categorical values to try."
-    )
-    low: Number | None = Field(None, description="Range lower bound (inclusive).")
-    high: Number | None = Field(None, description="Range upper bound (inclusive).")
-    log: bool = Field(False, description="Sample the range on a log scale.")
-    step: Number | None = Field(None, description="Range step; null = continuous.")
-
-    @model_validator(mode="after")
-    def _one_form(self) -> SpaceEntry:
-        # By value, not by keys given: a model_dump() round trip (variants) writes every key.
-        ranged = any(v is not None for v in (self.low, self.high, self.step)) or self.log
-        if self.choices is not None:
-            if ranged:
-                raise ValueError("expected either choices or low/high/log/step, not both")
-            return self
-        if self.low is None or self.high is None:
-            raise ValueError("expected either choices, or both low and high")
-        if self.low >= self.high:
-            raise ValueError(f"expected low < high (got low={self.low}, high={self.high})")
-        if self.step is not None and self.step <= 0:
-            raise ValueError(f"expected step > 0 (got {self.step})")
-        if self.log and self.step is not None:
-            raise ValueError("expected log or step, not both")
-        if self.log and self.low <= 0:
-            raise ValueError(f"expected low > 0 with log (got {self.low})")
-        return self
-
-
-class Objective(_Section):
-    """A metric the tuner optimizes."""
-
-    metric: str = Field(
-        min_length=1, description="Result metric name, e.g. throughput_tokens_per_s."
-    )
-    direction: Literal["maximize", "minimize"] = Field(
-        description="Whether larger or smaller is better."
-    )
-
-
-class Constraint(NamedTuple):
-    """A parsed tune constraint: `metric op value`."""
-
-    metric: str
-    op: str
-    value: float
-
-
-_CONSTRAINT = re.compile(
-    r"\s*(?P<metric>[A-Za-z_]\w*(?:\.\w+)*)\s*(?P<op><=|>=|<|>)\s*"
-    r"(?P<value>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*"
-)
-
-
-def parse_constraint(text: str) -> Constraint:
-    """Parse `metric.path OP number` (OP in <=, >=, <, >); ValueError when malformed."""
-    match = _CONSTRAINT.fullmatch(text)
-    if match is None:
-        raise ValueError(
-            f"expected 'metric.path OP number' with OP one of <=, >=, <, > (got {show_value(text)})"
-        )
-    return Constraint(match["metric"], match["op"], float(match["value"]))
-
-
-def _check_constraint(text: str) -> str:
-    parse_constraint(text)
-    return text
-
-
-def _default_objectives() -> list[Objective]:
-    """The registry's default objectives, each in its compare rule's direction."""
-    return [Objective(metric=name, direction=direction(name)) for name in DEFAULT_OBJECTIVES]
-
-
-class TuneConfig(_Section):
-    """Optuna study over workload keys."""
-
-    space: dict[Annotated[str, AfterValidator(_check_dotted_key)], SpaceEntry] = Field(
-        min_length=1, description="Tuned parameters: dotted.key -> choices or low/high range."
-    )
-    objectives: list[Objective] = Field(
-        default_factory=_default_objectives, min_length=1, description="Metrics to optimize."
-    )
-    constraints: list[Annotated[str, AfterValidator(_check_constraint)]] = Field(
-        default_factory=list, description="Feasibility limits like 'ttft_ms.p99 <= 2000'."
-    )
-    sampler: Literal["tpe", "nsgaii", "gp", "random", "grid"] = Field(
-        "tpe", description="Optuna sampler."
-    )
-    seed: int | None = Field(None, description="Sampler seed.")
-    n_trials: int = Field(20, gt=0, description="Number of trials.")
-
-    @property
-    def parsed_constraints(self) -> list[Constraint]:
-        """The constraints as (metric path, op, value)."""
-        return [parse_constraint(text) for text in self.constraints]
-
-
-class Workload(_Section):
+class Workload(Section):
     """A kvbench workload: model, hardware, cache, scheduler, requests, run, variants and tune."""
 
     name: str = Field(
@@ -792,9 +449,9 @@ class Workload(_Section):
             data = copy.deepcopy(base)
             try:
                 for key, value in variant.set.items():
-                    _set_dotted(data, key, copy.deepcopy(value))
+                    set_dotted(data, key, copy.deepcopy(value))
                 workload = Workload.model_validate(data)
-            except _BadKey as exc:
+            except BadKey as exc:
                 raise InputError(self._variant_error(i, str(exc))) from None
             except ValidationError as exc:
                 message = describe(exc, data, Origin(), Workload)
@@ -852,47 +509,6 @@ def resolve_path(workload: Workload, p: str) -> Path:
     return workload.source_path.parent / path
 
 
-def parse_set(item: str) -> tuple[str, Any]:
-    """Split `dotted.key=value`; the value is YAML, so `3`, `true` and `[1, null]` are typed."""
-    key, sep, text = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise InputError(f"--set {item}: expected dotted.key=value")
-    return key, parse_value(text, key, item)
-
-
-def apply_sets(data: dict, sets: Iterable[str] | Mapping[str, Any]) -> dict:
-    """A deep copy of `data` with overrides applied: `key=value` strings or a key->value mapping."""
-    result = copy.deepcopy(data)
-    if isinstance(sets, Mapping):
-        entries = [(key, value, key) for key, value in sets.items()]
-    else:
-        entries = [(*parse_set(item), item) for item in sets]
-    for key, value, label in entries:
-        try:
-            _set_dotted(result, key, value)
-        except _BadKey as exc:
-            raise InputError(f"--set {label}: {exc}") from None
-    return result
-
-
-def _set_dotted(data: dict, key: str, value: Any) -> None:
-    _check_dotted_key(key)
-    *parents, leaf = key.split(".")
-    node = data
-    for i, part in enumerate(parents):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        elif not isinstance(child, dict):
-            raise _BadKey(
-                f"cannot set {key}: {'.'.join(parents[: i + 1])} is not a mapping"
-                f" (got {show_value(child)})"
-            )
-        node = child
-    node[leaf] = value
-
-
 def load_workload(path: str | Path, sets: Sequence[str] = ()) -> Workload:
     """Read, override and validate a workload YAML; every problem is one InputError line."""
     path = Path(path)
@@ -928,19 +544,7 @@ def load_workload(path: str | Path, sets: Sequence[str] = ()) -> Workload:
     runs = workload.variant_workloads()
     for item in sets:
         key = parse_set(item)[0]
-        unused = [_unused_by(key, wl) for _, wl in runs]
+        unused = [unused_by(key, wl) for _, wl in runs]
         if all(unused):
             raise InputError(f"--set {item}: {unused[0]}")
     return workload
-
-
-def _unused_by(key: str, wl: Workload) -> str | None:
-    """Why `key` does nothing in `wl` (a setting of a section it does not use), else None."""
-    if key.startswith("requests.synthetic.") and wl.requests.source != "synthetic":
-        return (f"requests.synthetic is not used: this workload reads requests from a "
-                f"{wl.requests.source} (requests.source: {wl.requests.source})")
-    if key.startswith("scheduler.") and wl.run.mode != "serve":
-        return "the scheduler is not used in run.mode: cache (it runs in serve mode)"
-    if key.startswith("tune.") and wl.tune is None:
-        return "this workload has no tune: section to override"
-    return None

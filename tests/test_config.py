@@ -3,15 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.config import (
-    Constraint,
-    Workload,
-    apply_sets,
-    load_workload,
-    parse_set,
-    resolve_path,
-    workload_json_schema,
-)
+from kvbench.config import Workload, load_workload, resolve_path, workload_json_schema
+from kvbench.config_keys import apply_sets, parse_set
+from kvbench.config_tune import Constraint
 from kvbench.errors import InputError
 
 

@@ -394,7 +394,7 @@ def test_resuming_with_other_objectives_is_refused(tmp_path):
 
 
 def test_metric_paths_and_constraint_values():
-    from kvbench.config import parse_constraint
+    from kvbench.config_tune import parse_constraint
 
     metrics = {"ttft_ms": {"p99": 1500.0}, "hit_rate": 0.5}
     assert T.metric_value(metrics, "ttft_ms.p99") == 1500.0

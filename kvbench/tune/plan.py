@@ -12,7 +12,9 @@ import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_origin
 
-from ..config import Constraint, SpaceEntry, TuneConfig, Workload, key_annotation, load_workload
+from ..config import Workload, load_workload
+from ..config_keys import key_annotation
+from ..config_tune import Constraint, SpaceEntry, TuneConfig
 from ..errors import InputError
 from ..metrics import METRICS, metric
 

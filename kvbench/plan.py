@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from .cache.manager import CacheSpec, KVCacheManager
 from .cache.policies import POLICIES
 from .cache.lifecycle import LifeCycle, life_cycles, prefill_blocks_bound, split_gpu_blocks
+from .cache.mirror import MirroredCacheManager, MirroredWindowedCacheManager, held_cycles
 from .cache.seq import grow_blocks
 from .cache.windows import WindowedCacheManager
 from .config import Workload, resolve_path
@@ -32,6 +33,13 @@ class RunPlan:
     """One spec per pool; every pool shares tokens_per_block and the reuse rules."""
     cycles: tuple[LifeCycle, ...] | None
     """The attention life cycle of each pool; None for a model without sliding windows."""
+    draft_specs: tuple[CacheSpec, ...] = ()
+    """The draft model's pools (`speculative.draft_model`; `cache/mirror.py`): the one pool
+    mirroring the target's, or one per life cycle of the draft (`draft_cycles`) when either
+    model has sliding windows."""
+    draft_cycles: tuple[LifeCycle, ...] | None = None
+    """The draft's life cycles (its layer numbering and windows) beside a windowed target's
+    pools; None for the one-pool mirror or without a draft model."""
 
     @property
     def spec(self) -> CacheSpec:
@@ -42,31 +50,59 @@ class RunPlan:
     def gpu_blocks(self) -> int:
         return sum(s.num_gpu_blocks for s in self.specs)
 
-    def manager(self) -> KVCacheManager | WindowedCacheManager:
-        """A fresh, empty cache manager over the planned pools."""
+    def manager(self) -> KVCacheManager | WindowedCacheManager | MirroredCacheManager:
+        """A fresh, empty cache manager over the planned pools (a draft model's too)."""
         if self.cycles is None:
+            if self.draft_specs:
+                return MirroredCacheManager(KVCacheManager(self.spec),
+                                            KVCacheManager(self.draft_specs[0]))
             return KVCacheManager(self.spec)
         wl = self.workload
         c = wl.cache
         reserve = wl.speculative.max_draft_len + wl.speculative.reserved_tokens
-        return WindowedCacheManager(
-            list(self.cycles), list(self.specs), release_out_of_window=c.release_out_of_window,
-            swa_scratch_reuse=c.swa_scratch_reuse,
-            bytes_per_token_per_layer=wl.model.kv_bytes_per_token_per_layer,
-            reserve_tokens=reserve if wl.run.mode == "serve" else 0)
+        options = dict(release_out_of_window=c.release_out_of_window,
+                       swa_scratch_reuse=c.swa_scratch_reuse,
+                       bytes_per_token_per_layer=wl.model.kv_bytes_per_token_per_layer,
+                       reserve_tokens=reserve if wl.run.mode == "serve" else 0)
+        if self.draft_cycles is not None:
+            return MirroredWindowedCacheManager(
+                list(self.cycles), list(self.specs), list(self.draft_cycles),
+                list(self.draft_specs), draft_bytes_per_token_per_layer=(
+                    wl.speculative.draft_model.kv_bytes_per_token_per_layer), **options)
+        return WindowedCacheManager(list(self.cycles), list(self.specs), **options)
 
-    def pool_specs(self, model=None) -> list:
-        """The data plane's pools (`kernels.step.PoolSpec`): one tensor per planned pool;
-        `model` is another model's shape (a draft's, which has one pool) instead."""
+    def pool_specs(self, draft: bool = False) -> list:
+        """The data plane's pools (`kernels.step.PoolSpec`): one tensor per planned pool of
+        the target model, or of the `draft` model."""
         from .kernels.step import PoolSpec
 
-        model = self.workload.model if model is None else model
-        if self.cycles is None:
-            return [PoolSpec(tuple(range(model.num_layers)), self.spec.num_gpu_blocks,
-                             num_host_slots=self.spec.num_host_blocks)]
+        wl = self.workload
+        if draft:
+            cycles, specs = self.draft_cycles, self.draft_specs
+            model = wl.speculative.draft_model
+        else:
+            cycles, specs, model = self.cycles, self.specs, wl.model
+        if cycles is None:
+            return [PoolSpec(tuple(range(model.num_layers)), specs[0].num_gpu_blocks,
+                             num_host_slots=specs[0].num_host_blocks)]
         return [PoolSpec(c.layers, s.num_gpu_blocks, window=c.window,
                          num_host_slots=s.num_host_blocks)
-                for c, s in zip(self.cycles, self.specs)]
+                for c, s in zip(cycles, specs)]
+
+    def pool_bytes(self) -> list[tuple[CacheSpec, int]]:
+        """Every pool of both models with the bytes of one of its blocks."""
+        wl = self.workload
+        tpb = wl.cache.tokens_per_block
+        out = []
+        for model, cycles, specs in ((wl.model, self.cycles, self.specs),
+                                     (wl.speculative.draft_model, self.draft_cycles,
+                                      self.draft_specs)):
+            if not specs:
+                continue
+            page = tpb * model.kv_bytes_per_token_per_layer
+            layers = [model.num_layers] if cycles is None else [c.num_layers for c in cycles]
+            out += [(s, n * page) for s, n in zip(specs, layers)]
+        return out
 
 
 def plan_run(wl: Workload, requests: list[Request] | SpilledTrace) -> RunPlan:
@@ -79,20 +115,14 @@ def plan_run(wl: Workload, requests: list[Request] | SpilledTrace) -> RunPlan:
         check_serve_fits(wl, requests, plan.gpu_blocks)
     elif plan.cycles is None:
         check_fits(wl, requests, plan.spec.num_gpu_blocks)
-    layers = ([wl.model.num_layers] if plan.cycles is None
-              else [c.num_layers for c in plan.cycles])
-    pools = list(zip(plan.specs, layers))
-    # A draft model mirrors the target's blocks (`cache/mirror.py`): as many again; the cross
-    # cache takes its share of the same budget.
-    copies = 2 if wl.speculative.draft_model is not None else 1
-    blocks = copies * sum(s.num_gpu_blocks + s.num_host_blocks for s, _ in pools)
-    blocks += cross_blocks(wl)
+    # A draft model's pools (`cache/mirror.py`) beside the target's; the cross cache takes
+    # its share of the same budget.
+    pools = plan.pool_bytes()
+    blocks = sum(s.num_gpu_blocks + s.num_host_blocks for s, _ in pools) + cross_blocks(wl)
     check_memory(wl, blocks * METADATA_BYTES_PER_BLOCK, "the cache manager's block metadata")
     if emit:
-        page = wl.cache.tokens_per_block * wl.model.kv_bytes_per_token_per_layer
-        gpu = sum(s.num_gpu_blocks * n * page for s, n in pools)
-        host = sum(s.num_host_blocks * n * page for s, n in pools)
-        gpu += plan.gpu_blocks * draft_block_bytes(wl)
+        gpu = sum(s.num_gpu_blocks * b for s, b in pools)
+        host = sum(s.num_host_blocks * b for s, b in pools)
         gpu += cross_blocks(wl) * block_bytes(wl)  # the cross-attention pool's tensor
         _check_tensors(wl, gpu, host)
     return plan
@@ -102,14 +132,20 @@ def size_pools(wl: Workload, requests: list[Request] | SpilledTrace, *,
                emit_copy_ops: bool = False) -> RunPlan:
     """The pools alone, unchecked beyond what sizing them refuses (`_windowed_specs`)."""
     if is_windowed(wl):
-        cycles, specs = _windowed_specs(wl, requests, emit_copy_ops=emit_copy_ops)
-        return RunPlan(wl, tuple(specs), tuple(cycles))
-    return RunPlan(wl, (cache_spec(wl, emit_copy_ops=emit_copy_ops),), None)
+        cycles, specs, draft_cycles, draft_specs = _windowed_specs(
+            wl, requests, emit_copy_ops=emit_copy_ops)
+        return RunPlan(wl, tuple(specs), tuple(cycles), tuple(draft_specs), draft_cycles)
+    spec = cache_spec(wl, emit_copy_ops=emit_copy_ops)
+    draft = (spec,) if wl.speculative.draft_model is not None else ()
+    return RunPlan(wl, (spec,), None, draft)
 
 
 def is_windowed(wl: Workload) -> bool:
-    """Some layer has a sliding window: one pool per life cycle (`cache/windows.py`)."""
-    return any(w is not None for w in wl.model.layer_windows)
+    """Some layer (of the model or of its draft model) has a sliding window: one pool per
+    life cycle (`cache/windows.py`), the draft's beside the target's (`cache/mirror.py`)."""
+    d = wl.speculative.draft_model
+    return any(w is not None for w in (*wl.model.layer_windows,
+                                       *(d.layer_windows if d is not None else ())))
 
 
 def block_bytes(workload: Workload) -> int:
@@ -198,45 +234,57 @@ def cross_manager(wl: Workload, requests: list[Request]) -> KVCacheManager | Non
 
 
 def _windowed_specs(wl: Workload, requests: list[Request] | SpilledTrace, *,
-                    emit_copy_ops: bool = False) -> tuple[list[LifeCycle], list[CacheSpec]]:
+                    emit_copy_ops: bool = False
+                    ) -> tuple[list[LifeCycle], list[CacheSpec], tuple[LifeCycle, ...] | None,
+                               list[CacheSpec]]:
     """The pools of a model with sliding-window layers: one per life cycle, the GPU budget
     (`cache.max_tokens` tokens of the whole model, in bytes, less the cross-attention
     cache's share) split by `cache.window_memory_split` against the mean request context
     (the prompt in cache mode, prompt and output in serve mode), no pool below what the
     largest request needs to run alone (every beam and reserved token counted); each pool's
-    host tier is `host_offload_ratio` of its GPU blocks."""
-    c, m = wl.cache, wl.model
+    host tier is `host_offload_ratio` of its GPU blocks. With a draft model (either model
+    windowed) its life cycles' pools share the same budget, weighed by their bytes (as a
+    draft block shares it with a target block without windows): returns the target's cycles
+    and specs, then the draft's (None and none without a draft)."""
+    c, m, d = wl.cache, wl.model, wl.speculative.draft_model
     tpb = c.tokens_per_block
-    cycles = life_cycles(m.layer_windows)
+    cycles = list(life_cycles(m.layer_windows))
+    draft_cycles = life_cycles(d.layer_windows) if d is not None else ()
     per_layer = m.kv_bytes_per_token_per_layer
-    slot_bytes = [tpb * cyc.num_layers * per_layer for cyc in cycles]
+    # The cache's life cycles: the draft's after the target's, as it holds them.
+    held = cycles + held_cycles(draft_cycles, m.num_layers)
+    layer_bytes = ([per_layer] * len(cycles)
+                   + [d.kv_bytes_per_token_per_layer] * len(draft_cycles)) if d else None
+    slot_bytes = [tpb * cyc.num_layers * b
+                  for cyc, b in zip(held, layer_bytes or [per_layer] * len(held))]
     reserve = wl.speculative.max_draft_len + wl.speculative.reserved_tokens
     if wl.run.mode == "serve":
         lengths = [r.input_length + max(r.output_length - 1, 0) for r in requests]
         floors = [max(_serve_blocks_bound(wl, cyc, r, n + reserve)
-                      for r, n in zip(requests, lengths)) for cyc in cycles]
+                      for r, n in zip(requests, lengths)) for cyc in held]
     else:
         lengths = [r.input_length for r in requests]
         floors = [max(prefill_blocks_bound(cyc, tpb, r.input_length, c.swa_scratch_reuse,
                                            r.beam_width) for r in requests)
-                  for cyc in cycles]
+                  for cyc in held]
     longest = max(lengths)
     mean = -(-sum(lengths) // len(lengths))
     budget = c.max_tokens * m.num_layers * per_layer - cross_blocks(wl) * block_bytes(wl)
     try:
-        blocks = split_gpu_blocks(cycles, budget, slot_bytes, mean,
-                                  policy=c.window_memory_split, min_blocks=floors)
+        blocks = split_gpu_blocks(held, budget, slot_bytes, mean, policy=c.window_memory_split,
+                                  min_blocks=floors, layer_bytes=layer_bytes)
     except ValueError:
         need = sum(f * b for f, b in zip(floors, slot_bytes)) + cross_blocks(wl) * block_bytes(wl)
         raise InputError(
             f"{where(wl)}: cache.max_tokens: the longest request ({longest} tokens) needs "
-            f"{need} bytes of KV across the attention pools (every beam, reserved tokens and "
-            f"the cross-attention share counted) but the cache holds "
-            f"{c.max_tokens * m.num_layers * per_layer}; raise cache.max_tokens to at least "
-            f"{-(-need // (m.num_layers * per_layer))}"
+            f"{need} bytes of KV across the attention pools (every beam, reserved tokens"
+            f"{', the draft model' if d else ''} and the cross-attention share counted) but "
+            f"the cache holds {c.max_tokens * m.num_layers * per_layer}; raise "
+            f"cache.max_tokens to at least {-(-need // (m.num_layers * per_layer))}"
         ) from None
     specs = [pool_spec(wl, n, emit_copy_ops) for n in blocks]
-    return cycles, specs
+    t = len(cycles)
+    return cycles, specs[:t], (draft_cycles if d else None), specs[t:]
 
 
 def _serve_blocks_bound(wl: Workload, cycle: LifeCycle, request: Request, length: int) -> int:
@@ -333,12 +381,6 @@ def check_supported(wl: Workload) -> None:
     if sp.enabled:
         if wl.run.mode != "serve":
             unsupported.append("speculative decoding outside run.mode: serve")
-        if is_windowed(wl) and sp.draft_model is not None:
-            # The mirror repeats every call with the same block ids, which needs one pool of
-            # the same size in both caches; a windowed target has a pool per life cycle.
-            unsupported.append("speculative.draft_model with sliding-window layers (its "
-                               "mirrored cache follows one pool; drafting without a "
-                               "draft_model is supported)")
         if wl.requests.beam_width > 1 or any(w > 1 for w in wl.requests.beam_widths or ()):
             unsupported.append("speculative decoding with beam search (as TensorRT-LLM)")
     if wl.requests.encoder.tokens:

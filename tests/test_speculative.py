@@ -203,6 +203,22 @@ def test_data_planes_verify_target_and_draft():
     assert m.onboard_blocks > 0
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_draft_kv_is_whole_when_a_next_turn_reuses_the_answer(seed):
+    """Every draft accepted: the last draft of a request's final step is written in that
+    step, so a conversation's next turn, reusing the answer's blocks from the draft cache,
+    reads KV the draft computed (it used to be left for a catch-up step that never came)."""
+    from test_windows_draft import requests as conversations, reused_an_answer
+
+    target, draft = plane(60, (2,)), plane(60, (1,))
+    _, result, *_ = serve(conversations(seed), draft=True, k=2, rate=1.0, blocks=60,
+                          planes=(target, draft))
+    for p in (target, draft):
+        metrics = p.metrics()
+        assert metrics["verified"] is True, metrics["verify_mismatch"]
+    assert reused_an_answer(result)
+
+
 def test_draft_plane_catches_missing_copies():
     """A draft cache whose onboards never reach its data plane reads stale KV."""
     target, draft = plane(16, (2,), host=4), plane(16, (1,), host=4)

@@ -393,7 +393,7 @@ def test_data_plane_catches_a_beam_reading_a_scratch_page(monkeypatch):
 # --- the runner -------------------------------------------------------------------------------
 
 
-def test_runner_windowed_beams_reservations_and_the_refused_draft(tmp_path):
+def test_runner_windowed_beams_reservations_and_a_draft_model(tmp_path):
     from kvbench.config import load_workload
     from kvbench.errors import InputError
     from kvbench.runner import run_workload
@@ -418,5 +418,7 @@ def test_runner_windowed_beams_reservations_and_the_refused_draft(tmp_path):
     assert spec.metrics["requests"] == 30
     draft = one_model + ["speculative.draft_model={num_layers: 1, num_kv_heads: 1,"
                          " num_q_heads: 2, head_dim: 8}"]
-    with pytest.raises(InputError, match="draft_model with sliding-window layers"):
-        run_workload(load_workload(path, draft))
+    (two,) = run_workload(load_workload(path, draft))
+    assert two.metrics["requests"] == 30 and two.metrics["draft_peak_gpu_blocks"] > 0
+    with pytest.raises(InputError, match="speculative decoding with beam search"):
+        run_workload(load_workload(path, draft + ["requests.beam_widths=[1, 4]"]))

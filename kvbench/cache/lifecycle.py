@@ -51,13 +51,16 @@ def split_gpu_blocks(
     cycles: Sequence[LifeCycle], budget_bytes: int, slot_bytes: Sequence[int],
     context_tokens: int, *,
     policy: str = "window", min_blocks: Sequence[int] | None = None,
+    layer_bytes: Sequence[int] | None = None,
 ) -> list[int]:
     """GPU blocks per life cycle for a byte budget. Each pool gets a share of the budget in
     proportion to its weight (`SPLIT_POLICIES`; `context_tokens` is the typical context a
     window is compared with), except that no pool gets fewer than its `min_blocks` (what one
     request needs to run at all): such pools are raised to their floor and the rest of the
-    budget is shared among the others in the same proportions. Raises ValueError when the
-    floors alone exceed the budget."""
+    budget is shared among the others in the same proportions. `layer_bytes`: each life
+    cycle's bytes per token and layer, where they differ (a draft model's pools beside the
+    target's); weights are then bytes, not layers. Raises ValueError when the floors alone
+    exceed the budget."""
     if policy not in SPLIT_POLICIES:
         raise ValueError(f"unknown split policy {policy!r}; expected one of {SPLIT_POLICIES}")
     n = len(cycles)
@@ -65,13 +68,15 @@ def split_gpu_blocks(
     need = sum(f * b for f, b in zip(floors, slot_bytes))
     if need > budget_bytes:
         raise ValueError(f"the pools need {need} bytes at least, the budget is {budget_bytes}")
-    # Per-layer bytes per token are the same in every layer here, so they cancel out.
+    # Without `layer_bytes` every layer's bytes per token are the same, so they cancel out.
     context = max(context_tokens, 1)
     if policy == "window":
         weights = [c.num_layers * (context if c.window is None else min(c.window, context))
                    for c in cycles]
     else:
         weights = [c.num_layers for c in cycles]
+    if layer_bytes is not None:
+        weights = [w * b for w, b in zip(weights, layer_bytes)]
     fixed: dict[int, int] = {}
     while True:
         left = budget_bytes - sum(fixed[i] * slot_bytes[i] for i in fixed)

@@ -75,7 +75,7 @@ class ServeLoop(SpeculativeSteps, PlaneSteps):
     __slots__ = (
         "states", "keep_states", "source", "done", "manager", "scheduler", "clock", "revert", "batch_add", "bulk_decode",
         "on_step", "on_progress", "tpb", "mnt", "waiting", "prefilling", "decoders", "dec_k",
-        "gen_tokens", "spec", "draft", "draft_plane", "_draft_end", "cross", "cross_tally",
+        "gen_tokens", "spec", "draft", "draft_plane", "cross", "cross_tally",
         "events", "step", "now", "finished", *SERVE_COUNTERS, "timeline", "block_bytes",
         "data_plane", "_moved", "_row_reused",
         "_row_prompt", "_columns",
@@ -145,11 +145,10 @@ class ServeLoop(SpeculativeSteps, PlaneSteps):
         """Speculative decoding (None = off): decode steps yield 1..k+1 tokens, so every
         step runs on its own (no jumps)."""
         self.draft = getattr(self.manager, "draft", None)
-        """The draft model's cache (a `MirroredCacheManager`'s), or None."""
+        """The draft model's cache (`cache/mirror.py`: a `MirroredCacheManager`'s, or the
+        draft's pools of a `MirroredWindowedCacheManager`), or None."""
         self.draft_plane = draft_plane
         """The draft cache's data plane (with `data_plane`)."""
-        self._draft_end: dict[int, int] = {}
-        """Per running request, one past the last position the draft model wrote."""
         self.cross = cross
         """The cross-attention cache of encoder inputs (`engine/cross.py`), or None."""
         self.cross_tally = CrossTally()
@@ -569,7 +568,6 @@ class ServeLoop(SpeculativeSteps, PlaneSteps):
         r.version += 1
 
     def _drop_tokens(self, r: ServeRequest) -> None:
-        self._draft_end.pop(r.idx, None)
         for beam in range(-1, r.request.beam_width):
             self._tokens.pop((r.idx, beam), None)
 

@@ -5,13 +5,13 @@ own K/V on its data plane (`_execute_draft`). The drafts' count, acceptance and 
 
 from __future__ import annotations
 
-from ..kernels.step import StepItem
+from .plane import step_items
 from .scheduler import Phase, ServeRequest, by_idx
 
 
 class SpeculativeSteps:
     """The speculative steps, mixed into `ServeLoop`: they work on its manager (a
-    `MirroredCacheManager` with a draft), decoders, data planes and `spec`."""
+    mirrored cache with a draft, `cache/mirror.py`), decoders, data planes and `spec`."""
 
     __slots__ = ()
 
@@ -59,20 +59,18 @@ class SpeculativeSteps:
         return done
 
     def _execute_draft(self, runs: list[tuple[ServeRequest, int, int, bool]]) -> None:
-        """The draft model's KV on its own data plane: it prefills the step's context chunks
-        and writes the positions it drafts from (`p .. p + k - 1` of a decoder at `p`, after
-        catching up on the last accepted one it never drafted from)."""
-        draft, ends = self.draft, self._draft_end
-        ops = list(draft.copy_ops)
-        draft.copy_ops.clear()
+        """The draft model's KV on its own data plane, at the target's positions: it prefills
+        the step's context chunks and, for a decoder at `p`, writes `p .. p + k`: the
+        positions it drafts from and the last draft's. A drafter computes that last one at
+        its next step when every draft was accepted; written in this step, the draft cache
+        holds the KV of every token the target commits, so no step reads back before the
+        target's position and a finished request's blocks are whole when stored for
+        reuse."""
+        draft = self.draft
+        ops = draft.drain_copy_ops()
         items = []
         for r, start, end, _ in runs:
-            if r.phase is Phase.DECODE:
-                end -= 1  # the target's token after the last draft is not drafted from
-                start = min(start, ends.get(r.idx, start))
-            ends[r.idx] = max(end, start)
-            if start < end:
-                items.append(StepItem(r.request.id, self._stream(r),
-                                      self.manager.draft_of(r.seq).blocks, start, end))
+            items += step_items(draft, r.request.id, self.manager.draft_of(r.seq), start, end,
+                                lambda beam, r=r: self._stream(r))
         if ops or items:
             self.draft_plane.execute_step(ops, items)

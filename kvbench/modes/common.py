@@ -20,13 +20,13 @@ ProgressFactory = Callable[[str, int], Callable[[int], None]]
 """(description, total) -> advance(n): how a run reports progress (a rich bar in the CLI)."""
 
 
-def open_data_plane(plan: RunPlan, model=None, *, backend: str | None = None, engine=None,
-                    cross: KVCacheManager | None = None):
+def open_data_plane(plan: RunPlan, draft: bool = False, *, backend: str | None = None,
+                    engine=None, cross: KVCacheManager | None = None):
     """The data plane for `run.backend` (None for `none`) over the plan's pools; torch is
-    imported only here. `model` is another model's shape (the draft's) instead of the
-    workload's; a `cross` cache gets a pool of its own."""
+    imported only here. `draft`: the draft model's, over its pools; a `cross` cache gets a
+    pool of its own."""
     wl = plan.workload
-    model = wl.model if model is None else model
+    model = wl.speculative.draft_model if draft else wl.model
     backend = backend or wl.run.backend
     if backend == "none":
         return None
@@ -37,7 +37,7 @@ def open_data_plane(plan: RunPlan, model=None, *, backend: str | None = None, en
                   PoolSpec(tuple(range(model.num_layers)), cross.spec.num_gpu_blocks))
     try:
         # A measured clock reads each step's time at once; otherwise the host runs ahead.
-        return open_plane(model, plan.spec.tokens_per_block, plan.pool_specs(model),
+        return open_plane(model, plan.spec.tokens_per_block, plan.pool_specs(draft),
                           backend=backend, verify=wl.run.verify, seed=wl.run.seed,
                           engine=engine, lazy_times=engine is None, cross=cross_pool)
     except BackendUnavailable as exc:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 
-from ..cache.manager import KVCacheManager
-from ..cache.mirror import MirroredCacheManager
 from ..cache.protocol import CacheManager
 from ..config import Workload
 from ..engine.clock import StepClock, hardware_from_config
@@ -43,11 +41,9 @@ def run_serve(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
             sp.max_draft_len, sp.acceptance_rate, sp.reserved_tokens, wl.run.seed,
             None if sp.draft_model is None else StepClock(sp.draft_model, hardware))
         if sp.draft_model is not None:
-            draft_plane = open_data_plane(plan, model=sp.draft_model)
+            draft_plane = open_data_plane(plan, draft=True)
     manager = plan.manager()
     t0 = time.perf_counter()
-    if sp.draft_model is not None:
-        manager = MirroredCacheManager(manager, KVCacheManager(spec))
     sched = wl.scheduler
     advance = progress(name, len(requests)) if progress is not None else None
     result = serve_loop(
@@ -71,7 +67,7 @@ def run_serve(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
     if cross is not None:
         metrics.update(result.cross.metrics(cross, block_bytes(wl)))
     if sp.draft_model is not None:
-        metrics.update(_draft_metrics(wl, manager.draft, result.finished))
+        metrics.update(_draft_metrics(wl, manager, result.finished))
     if plane is not None:
         _plane_metrics(metrics, plane, draft_plane, clock.time_source)
     return outcome(name, wl, metrics, result.timeline.to_json())
@@ -123,15 +119,11 @@ def _plane_metrics(metrics: dict, plane, draft_plane, time_source: str) -> None:
             metrics["verify_mismatch"] = "draft cache: " + d["verify_mismatch"]
 
 
-def _draft_metrics(wl: Workload, draft: KVCacheManager, done: FinishedRequests) -> dict:
-    """The draft model's cache: its size, peak and reuse (the same blocks as the target's,
-    in its own shape), and the peak bytes of both caches together."""
-    peak = draft.gpu.peak_in_use
+def _draft_metrics(wl: Workload, manager, done: FinishedRequests) -> dict:
+    """The draft model's cache (`cache/mirror.py`): its size, peak and reuse, and the peak
+    bytes of both caches together."""
     return {
-        "draft_gpu_blocks_total": draft.spec.num_gpu_blocks,
-        "draft_peak_gpu_blocks": peak,
-        "draft_peak_gpu_bytes": peak * draft_block_bytes(wl),
+        **manager.draft_memory(block_bytes(wl), draft_block_bytes(wl)),
         "draft_reused_full_blocks": done.draft_reused_full_blocks,
         "draft_reused_partial_blocks": done.draft_reused_partial_blocks,
-        "peak_kv_bytes": peak * (block_bytes(wl) + draft_block_bytes(wl)),
     }

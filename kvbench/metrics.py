@@ -171,10 +171,10 @@ _m("reused_full_blocks", "count", "blocks", "  full blocks reused", "Reuse", _c,
 _m("reused_partial_blocks", "count", "blocks", "  partial blocks reused", "Reuse", _c, EITHER,
    description="Partially matched blocks reused (at most one per request).")
 _m("draft_reused_full_blocks", "count", "blocks", "draft cache: full blocks reused", "Reuse",
-   _c, EITHER, SERVE, needs="draft",
+   _c, EITHER, BOTH, needs="draft",
    description="Full blocks the draft model's cache reused (speculative.draft_model).")
 _m("draft_reused_partial_blocks", "count", "blocks", "draft cache: partial blocks reused",
-   "Reuse", _c, EITHER, SERVE, needs="draft",
+   "Reuse", _c, EITHER, BOTH, needs="draft",
    description="Partially matched blocks the draft model's cache reused.")
 _m("cross_requests", "count", "requests", "cross cache: requests with encoder input", "Reuse",
    _c, MATCH, needs="encoder",
@@ -221,14 +221,15 @@ _m("peak_gpu_bytes", "count", "bytes", "GPU bytes peak (in use)", "Memory", _b, 
    pinned=True,
    description="peak_gpu_blocks weighed by each pool's slot size.")
 _m("draft_gpu_blocks_total", "count", "blocks", "draft cache: GPU blocks total", "Memory", _c,
-   MATCH, SERVE, needs="draft",
-   description="The draft model's cache blocks (as many as the target's: it mirrors them).")
+   MATCH, BOTH, needs="draft",
+   description="The draft model's cache blocks (as many as the target's when it mirrors "
+   "one pool; its own pools' with sliding windows).")
 _m("draft_peak_gpu_blocks", "count", "blocks", "draft cache: GPU blocks peak (in use)", "Memory",
-   _c, LOWER, SERVE, needs="draft", description="Most draft-cache blocks held at once.")
+   _c, LOWER, BOTH, needs="draft", description="Most draft-cache blocks held at once.")
 _m("draft_peak_gpu_bytes", "count", "bytes", "draft cache: GPU bytes peak (in use)", "Memory", _b,
-   LOWER, SERVE, needs="draft", description="draft_peak_gpu_blocks x the draft's block size.")
+   LOWER, BOTH, needs="draft", description="draft_peak_gpu_blocks x the draft's block size.")
 _m("peak_kv_bytes", "count", "bytes", "all KV caches: GPU bytes peak (in use)", "Memory", _b,
-   LOWER, SERVE, needs="draft",
+   LOWER, BOTH, needs="draft",
    description="Most GPU bytes all KV caches (target and draft) held at once.")
 _m("cross_gpu_blocks_total", "count", "blocks", "cross cache: GPU blocks total", "Memory", _c,
    MATCH, needs="encoder",
@@ -334,10 +335,10 @@ _m("max_abs_err", "number", "", "max abs error", "Data plane", format_small,
 _m("verify_mismatch", "text", "", "first mismatch", "Data plane", str, INFO, needs="data_plane",
    nullable=True, description="The first mismatch the verifier found (null: none).")
 _m("draft_verified", "bool", "", "draft cache verified", "Data plane", str, HIGHER,
-   SERVE, needs="draft_data_plane", nullable=True,
+   BOTH, needs="draft_data_plane", nullable=True,
    description="The draft model's KV and attention matched (null: nothing checked).")
 _m("draft_max_abs_err", "number", "", "draft max abs error", "Data plane", format_small,
-   Rule("lower", abs_tol=1e-4, rel_tol=1.0, scope="device"), SERVE, needs="draft_data_plane",
+   Rule("lower", abs_tol=1e-4, rel_tol=1.0, scope="device"), BOTH, needs="draft_data_plane",
    nullable=True, description="Largest draft attention output error.")
 _m("data_plane_backend", "text", "", "data plane backend", "Data plane", str, MATCH,
    needs="data_plane", description="The attention backend that ran (torch, flashinfer).")

@@ -379,8 +379,10 @@ def check_supported(wl: Workload) -> None:
                                " unless scheduler.revert_deferred_ctx")
     sp = wl.speculative
     if sp.enabled:
-        if wl.run.mode != "serve":
-            unsupported.append("speculative decoding outside run.mode: serve")
+        if wl.run.mode != "serve" and sp.draft_model is None:
+            # Cache mode has no decode steps: only a draft model's cache changes what it does.
+            unsupported.append("speculative decoding without a draft_model outside "
+                               "run.mode: serve")
         if wl.requests.beam_width > 1 or any(w > 1 for w in wl.requests.beam_widths or ()):
             unsupported.append("speculative decoding with beam search (as TensorRT-LLM)")
     if wl.requests.encoder.tokens:

@@ -266,11 +266,13 @@ def test_beams_on_sliding_window_pools_with_scratch_verify(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("workload, variants", [
     ("verify-encoder-small.yaml", ["batch", "beams", "swa-decoder", "cache-mode"]),
-    ("verify-speculative-small.yaml", ["batch"]),
+    ("verify-speculative-small.yaml", ["batch", "swa-draft", "full-draft-over-swa",
+                                       "cache-mode-swa"]),
 ])
 def test_small_verify_workloads_run_on_the_backend(backend, workload, variants):
     """The engines end to end at head_dim 128: cross-attention (with beams, a windowed
-    decoder, cache mode) and a draft model's plane, every step verified on both planes."""
+    decoder, cache mode) and a draft model's plane (with sliding windows in either model,
+    cache mode), every step verified on both planes."""
     from kvbench.config import load_workload
     from kvbench.runner import run_workload
 

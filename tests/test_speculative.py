@@ -252,8 +252,15 @@ def test_speculative_workload_keys(tmp_path):
     assert m["peak_kv_bytes"] == m["peak_gpu_bytes"] + m["draft_peak_gpu_bytes"]
     assert m["draft_reused_full_blocks"] == m["reused_full_blocks"]
     assert 1 <= m["tokens_per_decode_step"] <= 3
-    with pytest.raises(InputError, match="speculative decoding outside run.mode: serve"):
-        run_workload(load_workload(path, ["run.mode=cache"]))
+    # Cache mode: the draft's cache mirrors every prompt from the same budget; drafting
+    # alone (no draft model) changes nothing without decode steps, so it is refused.
+    (cache,) = run_workload(load_workload(path, ["run.mode=cache"]))
+    c = cache.metrics
+    assert c["gpu_blocks_total"] == c["draft_gpu_blocks_total"] == m["gpu_blocks_total"]
+    assert c["draft_reused_full_blocks"] == c["reused_full_blocks"] > 0
+    assert c["peak_kv_bytes"] == c["peak_gpu_bytes"] + c["draft_peak_gpu_bytes"]
+    with pytest.raises(InputError, match="without a draft_model outside run.mode: serve"):
+        run_workload(load_workload(path, ["run.mode=cache", "speculative.draft_model=null"]))
     with pytest.raises(InputError, match="beam search"):
         run_workload(load_workload(path, ["requests.beam_width=2"]))
     path.write_text("speculative: {acceptance_rate: 1.5}\n")

@@ -400,6 +400,22 @@ def test_a_draft_plane_that_misses_its_copies_is_caught():
     assert draft.metrics()["verified"] is False
 
 
+def test_cache_mode_prefills_every_prompt_in_both_models_pools():
+    from kvbench.engine.cache_mode import replay_cache_mode
+
+    m = dmgr([4, None], [3, None], blocks=40, draft_blocks=24, host=8, scratch=True)
+    target, draft = planes_for(m)
+    result = replay_cache_mode(requests(2, n=16), m, data_plane=target, draft_plane=draft)
+    for p in (target, draft):
+        metrics = p.metrics()
+        assert metrics["verified"] is True, metrics["verify_mismatch"]
+        assert metrics["verified_steps"] == p.steps == 16
+    assert result.reused_tokens > 0
+    assert result.draft_reused_full_blocks == result.reused_full_blocks
+    assert all(p.gpu.num_in_use == 0 for p in m.managers) and m._check_sanity()
+    assert m.draft_peak_gpu_blocks > 0 and m.scratch_blocks > 0
+
+
 # --- the runner -----------------------------------------------------------------------------------
 
 
@@ -432,6 +448,10 @@ def test_runner_splits_the_budget_between_both_models_pools(tmp_path):
     assert max(m["peak_gpu_bytes"], m["draft_peak_gpu_bytes"]) <= m["peak_kv_bytes"] <= (
         m["peak_gpu_bytes"] + m["draft_peak_gpu_bytes"])
     assert 1 <= m["tokens_per_decode_step"] <= 4
+    (cache,) = run_workload(load_workload(path, ["run.mode=cache"]))
+    c = cache.metrics
+    assert set(c["pools"]) == set(pools) and c["draft_reused_full_blocks"] == c[
+        "reused_full_blocks"] > 0
     # The same model without windows anywhere keeps the one-pool mirror: equal block counts.
     (plain,) = run_workload(load_workload(path, [
         "model.attention_window=null", "speculative.draft_model.attention_window=null"]))

@@ -57,6 +57,10 @@ class MirroredCacheManager:
 
     # --- the calls both caches get ----------------------------------------------------------
 
+    def refresh(self, now_s: float) -> None:
+        self.target.refresh(now_s)
+        self.draft.refresh(now_s)
+
     def add_sequence(self, request: Request) -> CacheSeq:
         seq = self.target.add_sequence(request)
         self._draft_of[seq] = self.draft.add_sequence(request)

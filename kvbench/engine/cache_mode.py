@@ -24,12 +24,14 @@ class CacheModeResult:
     reused_partial_blocks: int
     timeline: Timeline
     cross: CrossTally
+    draft_reused_full_blocks: int = 0
+    draft_reused_partial_blocks: int = 0
 
 
 def replay_cache_mode(
     requests: Sequence[Request], manager: CacheManager,
     on_progress: Callable[[int], None] | None = None, progress_every: int = 256,
-    data_plane=None, cross: KVCacheManager | None = None,
+    data_plane=None, cross: KVCacheManager | None = None, draft_plane=None,
 ) -> CacheModeResult:
     """For each request: match and claim the cached prefix, allocate the rest of the prompt,
     mark it computed, release. Raises ValueError if a request cannot get its blocks (the caller
@@ -44,7 +46,10 @@ def replay_cache_mode(
 
     With a `cross` cache (`engine/cross.py`) a request's encoder input is added, written and
     released there beside its prompt; on the data plane the step writes its encoder K/V and
-    the prompt's queries attend to them."""
+    the prompt's queries attend to them.
+
+    With a draft model (a mirrored cache, `cache/mirror.py`) every call reaches its pools
+    too, and its `draft_plane` computes the same prompt positions in its own shape."""
     timeline = Timeline("request", ("reused_tokens", "prompt_tokens", "in_use", "cached", "free"),
                         sums=("reused_tokens", "prompt_tokens"))
     cols = timeline.columns
@@ -52,6 +57,8 @@ def replay_cache_mode(
         cols["reused_tokens"], cols["prompt_tokens"], cols["in_use"], cols["cached"], cols["free"])
     pool = manager.gpu
     prompt = reused = host = full = partial = partial_blocks = 0
+    draft = getattr(manager, "draft", None)
+    draft_full = draft_partial = 0
     tally = CrossTally()
     for i, r in enumerate(requests):
         manager.refresh(r.arrival_s)
@@ -64,6 +71,14 @@ def replay_cache_mode(
         cseq = _encode(cross, r) if cross is not None and r.encoder is not None else None
         if data_plane is not None:
             _data_plane_step(data_plane, manager, r, seq, cross, cseq)
+        if draft_plane is not None:
+            draft_plane.execute_step(draft.drain_copy_ops(), step_items(
+                draft, r.id, manager.draft_of(seq), seq.num_computed, r.input_length,
+                lambda beam: r.prompt_tokens()))
+        if draft is not None:
+            d = manager.draft_of(seq)
+            draft_full += d.reused_full_blocks
+            draft_partial += d.partial_tokens > 0
         if cseq is not None:
             tally.count(_encoded(cross, cseq))
         in_use = pool.num_in_use
@@ -84,7 +99,8 @@ def replay_cache_mode(
             on_progress(progress_every)
     if on_progress is not None:
         on_progress(len(requests) % progress_every)
-    return CacheModeResult(prompt, reused, host, full, partial, partial_blocks, timeline, tally)
+    return CacheModeResult(prompt, reused, host, full, partial, partial_blocks, timeline, tally,
+                           draft_full, draft_partial)
 
 
 def _encode(cross: KVCacheManager, r: Request):

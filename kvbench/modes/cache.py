@@ -6,12 +6,12 @@ import time
 
 from ..engine.cache_mode import replay_cache_mode
 from ..oracle import reference_hit_rates, streamed_reference_hit_rates
-from ..plan import RunPlan, block_bytes, cross_manager, size_pools
+from ..plan import RunPlan, block_bytes, cross_manager, draft_block_bytes, size_pools
 from ..results import RunOutcome
 from ..traffic import Request
 from ..traffic.spill import SpilledTrace
-from .common import (ProgressFactory, cache_metrics, ideal_hit_rate, open_data_plane, outcome,
-                     phase)
+from .common import (ProgressFactory, cache_metrics, draft_plane_metrics, ideal_hit_rate,
+                     open_data_plane, outcome, phase)
 
 
 def run_cache(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
@@ -22,10 +22,13 @@ def run_cache(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
     streamed = isinstance(requests, SpilledTrace)
     cross = None if streamed else cross_manager(wl, requests)
     plane = open_data_plane(plan, cross=cross)
+    draft = wl.speculative.draft_model is not None
+    draft_plane = open_data_plane(plan, draft=True) if draft else None
     manager = plan.manager()
     t0 = time.perf_counter()
     advance = progress(name, len(requests)) if progress is not None else None
-    result = replay_cache_mode(requests, manager, advance, data_plane=plane, cross=cross)
+    result = replay_cache_mode(requests, manager, advance, data_plane=plane, cross=cross,
+                               draft_plane=draft_plane)
     # With a host tier the optimum may keep blocks in either tier: one pool of both sizes.
     # With windows it is null (the offline optimum is for one pool) and the ideal is an
     # unlimited cache under the same window rules.
@@ -59,8 +62,14 @@ def run_cache(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
     }
     if cross is not None:
         metrics.update(result.cross.metrics(cross, block_bytes(wl)))
+    if draft:
+        metrics.update(manager.draft_memory(block_bytes(wl), draft_block_bytes(wl)),
+                       draft_reused_full_blocks=result.draft_reused_full_blocks,
+                       draft_reused_partial_blocks=result.draft_reused_partial_blocks)
     if plane is not None:
         metrics.update(plane.metrics())
+        if draft_plane is not None:
+            draft_plane_metrics(metrics, draft_plane)
     return outcome(name, wl, metrics, result.timeline.to_json())
 
 

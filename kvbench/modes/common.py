@@ -44,6 +44,17 @@ def open_data_plane(plan: RunPlan, draft: bool = False, *, backend: str | None =
         raise InputError(f"{where(wl)}: run.backend: {exc}") from None
 
 
+def draft_plane_metrics(metrics: dict, draft_plane) -> None:
+    """The draft model's data-plane checks, into a run's `metrics` (whose `verified` fails
+    with the draft's, naming its first mismatch)."""
+    d = draft_plane.metrics()
+    metrics["draft_verified"] = d["verified"]
+    metrics["draft_max_abs_err"] = d["max_abs_err"]
+    if d["verified"] is False:
+        metrics["verified"] = False
+        metrics["verify_mismatch"] = "draft cache: " + d["verify_mismatch"]
+
+
 MEASURED_OVERHEAD_BYTES = 2 << 30
 """GPU memory a measured run needs beside weights, KV cache and step buffers: the CUDA
 context, cuBLAS and FlashInfer workspaces, captured graphs' pools."""

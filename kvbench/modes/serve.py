@@ -16,8 +16,8 @@ from ..plan import RunPlan, block_bytes, cross_manager, draft_block_bytes, serve
 from ..results import RunOutcome
 from ..traffic import Request
 from ..traffic.spill import SpilledTrace
-from .common import (ProgressFactory, cache_metrics, ideal_hit_rate, open_data_plane,
-                     open_measured_plane, outcome, phase)
+from .common import (ProgressFactory, cache_metrics, draft_plane_metrics, ideal_hit_rate,
+                     open_data_plane, open_measured_plane, outcome, phase)
 
 
 def run_serve(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
@@ -111,12 +111,7 @@ def _plane_metrics(metrics: dict, plane, draft_plane, time_source: str) -> None:
     # times a CUDA plane measured are reported beside them, not fed to the clock.
     metrics.update(plane.metrics(), time_source=time_source)
     if draft_plane is not None:
-        d = draft_plane.metrics()
-        metrics["draft_verified"] = d["verified"]
-        metrics["draft_max_abs_err"] = d["max_abs_err"]
-        if d["verified"] is False:
-            metrics["verified"] = False
-            metrics["verify_mismatch"] = "draft cache: " + d["verify_mismatch"]
+        draft_plane_metrics(metrics, draft_plane)
 
 
 def _draft_metrics(wl: Workload, manager, done: FinishedRequests) -> dict:

@@ -26,6 +26,7 @@ from kvbench.engine.serve import ServeLoop
 from kvbench.engine.speculative import Speculation
 from kvbench.traffic.request import Request
 from strategies import related_prompts
+from test_windows_beams import frees
 
 CLOCK = StepClock(ModelConfig(), PRESETS["H100-SXM"])
 DRAFT_CLOCK = StepClock(ModelConfig(num_layers=2, num_kv_heads=8, num_q_heads=32,
@@ -72,10 +73,6 @@ def check_mirror(m: MirroredWindowedCacheManager, wseq) -> None:
         for j, b in enumerate(s.blocks):
             if b == NO_BLOCK:
                 assert j < first or j in scratch, (i, c.window, j, first)
-
-
-def frees(m):
-    return [p.gpu.num_free for p in m.managers]
 
 
 # --- exact block ids, peaks and reservations --------------------------------------------------

@@ -33,7 +33,8 @@ from .lifecycle import LifeCycle
 from .manager import CacheSpec, KVCacheManager
 from .protocol import PageView
 from .seq import CacheSeq
-from .windows import WindowedCacheManager, WindowedSequence, _Pools
+from .windows import (WindowedCacheManager, WindowedSequence, _Pools, pool_figures,
+                      pool_name)
 
 if TYPE_CHECKING:
     from ..traffic.request import Request
@@ -189,18 +190,8 @@ class MirroredWindowedCacheManager(WindowedCacheManager):
         draft's, named `draft_full` / `draft_window_W` (W: the draft's attention window)."""
         t = self.num_target_pools
         cycles = [*self.cycles[:t], *self.draft_cycles]
-        return {
-            ("draft_" if i >= t else "")
-            + (f"window_{c.window}" if c.window is not None else "full"): {
-                "layers": c.num_layers,
-                "slot_bytes": b,
-                "gpu_blocks_total": m.gpu.capacity,
-                "peak_gpu_blocks": m.gpu.peak_in_use,
-                "host_blocks_total": m.host.capacity if m.host is not None else 0,
-                "evicted_blocks": m.evicted_blocks,
-            }
-            for i, (c, m, b) in enumerate(zip(cycles, self.managers, self.slot_bytes))
-        }
+        return {("draft_" if i >= t else "") + pool_name(c): pool_figures(c, m, b)
+                for i, (c, m, b) in enumerate(zip(cycles, self.managers, self.slot_bytes))}
 
     def moved_bytes(self, slot_bytes: int) -> tuple[int, int]:  # noqa: ARG002
         """The target's host traffic (as with one pool per model: the draft's is its own)."""

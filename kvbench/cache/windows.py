@@ -494,17 +494,8 @@ class WindowedCacheManager:
     def pool_metrics(self) -> dict[str, dict]:
         """Per pool (named `full` or `window_W`): its layers, slot size, blocks total and
         peak (the pool's own peak; their sum may exceed `peak_gpu_blocks`)."""
-        return {
-            (f"window_{c.window}" if c.window is not None else "full"): {
-                "layers": c.num_layers,
-                "slot_bytes": b,
-                "gpu_blocks_total": m.gpu.capacity,
-                "peak_gpu_blocks": m.gpu.peak_in_use,
-                "host_blocks_total": m.host.capacity if m.host is not None else 0,
-                "evicted_blocks": m.evicted_blocks,
-            }
-            for c, m, b in zip(self.cycles, self.managers, self.slot_bytes)
-        }
+        return {pool_name(c): pool_figures(c, m, b)
+                for c, m, b in zip(self.cycles, self.managers, self.slot_bytes)}
 
     # --- the engine-cache contract (`cache/protocol.py`) -----------------------------------
 
@@ -636,6 +627,23 @@ class WindowedCacheManager:
             self.peak_gpu_blocks = blocks
         if nbytes > self.peak_gpu_bytes:
             self.peak_gpu_bytes = nbytes
+
+
+def pool_name(cycle: LifeCycle) -> str:
+    """A pool's name in the `pools` metric: `full` or `window_W`."""
+    return f"window_{cycle.window}" if cycle.window is not None else "full"
+
+
+def pool_figures(cycle: LifeCycle, manager: KVCacheManager, slot_bytes: int) -> dict:
+    """One pool's entry in the `pools` metric."""
+    return {
+        "layers": cycle.num_layers,
+        "slot_bytes": slot_bytes,
+        "gpu_blocks_total": manager.gpu.capacity,
+        "peak_gpu_blocks": manager.gpu.peak_in_use,
+        "host_blocks_total": manager.host.capacity if manager.host is not None else 0,
+        "evicted_blocks": manager.evicted_blocks,
+    }
 
 
 class _Pools:

@@ -33,8 +33,8 @@ from .lifecycle import LifeCycle
 from .manager import CacheSpec, KVCacheManager
 from .protocol import PageView
 from .seq import CacheSeq
-from .windows import (WindowedCacheManager, WindowedSequence, _Pools, pool_figures,
-                      pool_name)
+from .window_counters import _Pools, pool_figures, pool_name
+from .windows import WindowedCacheManager, WindowedSequence
 
 if TYPE_CHECKING:
     from ..traffic.request import Request

@@ -55,9 +55,8 @@ its `AttnLifeCycle.get_stale_range` makes blocks `[0, (history + 1 - W) // tpb)`
 blocks here, so 1 + 4 = 5 slots, which its own tests assert; the "27 + 5 = 6" of PR #13368's
 text is an arithmetic slip, not a wider window.
 
-Page tables (`page_tables`) follow the data plane's layout: one tensor of `slots x layers`
-pages per pool, so block `b` of the pool's `i`-th layer is page `b * num_layers + i`; a scratch
-block is the one page `slot * num_layers + slice` in every layer.
+The page tables and step views the data plane reads are in `window_pages.py`, the counters
+summed over pools and the memory metrics in `window_counters.py`.
 """
 
 from __future__ import annotations
@@ -65,14 +64,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
+from .add import AddPlan
 from .ids import BlockId, CopyOp
 from .lifecycle import LifeCycle
-from .add import AddPlan
 from .manager import CacheSpec, KVCacheManager
-from .seq import NO_BLOCK, CacheSeq, grow_blocks, shared_blocks
-from .protocol import PageView
+from .seq import CacheSeq, grow_blocks, shared_blocks
+from .window_counters import WindowCounters
+from .window_pages import WindowPages
 
 if TYPE_CHECKING:
     from ..traffic.request import Request
@@ -130,7 +128,7 @@ class WindowedSequence:
         return self.seqs[0].shared_blocks
 
 
-class WindowedCacheManager:
+class WindowedCacheManager(WindowPages, WindowCounters):
     """Pools of several life cycles, kept in step for each request (see the module
     docstring). Counters sum over pools; `managers[i]` serves `cycles[i]`."""
 
@@ -408,95 +406,6 @@ class WindowedCacheManager:
         for m in self.managers:
             m.refresh(now_s)
 
-    @property
-    def gpu(self) -> _Pools:
-        return _Pools(self.managers, self.peak_gpu_blocks)
-
-    # --- page tables ----------------------------------------------------------------------
-
-    def page_tables(self, wseq: WindowedSequence, beam: int = 0) -> np.ndarray:
-        """`[model layer, block index]` -> page in that layer's pool tensor (the pool is
-        `pool_of_layer[layer]`) for beam `beam`, -1 where the block has no page (out of
-        window, never claimed). Block `b` of a pool's `i`-th layer is page
-        `b * num_layers + i`; a scratch block has its slot's slice, the same page in every
-        layer."""
-        n = -(-wseq.num_tokens // self.tpb)
-        out = np.full((self.num_layers, n), -1, dtype=np.int64)
-        for i, c in enumerate(self.cycles):
-            blocks = np.asarray(wseq.seqs[i].beam_blocks(beam)[:n], dtype=np.int64)
-            real = blocks != NO_BLOCK
-            cols = np.flatnonzero(real)
-            nl = c.num_layers
-            for local, layer in enumerate(c.layers):
-                out[layer, cols] = blocks[real] * nl + local
-            pages = wseq.scratch_pages[i]
-            if pages:
-                idx = np.fromiter(pages.keys(), np.int64, len(pages))
-                pg = np.fromiter(pages.values(), np.int64, len(pages))
-                out[np.array(c.layers)[:, None], idx[None, :]] = pg[None, :]
-        return out
-
-    def step_view(self, wseq: WindowedSequence, pool: int, start: int, beam: int = 0
-                  ) -> tuple[int, list[BlockId], dict[int, int] | None]:
-        """What the data plane's `StepItem` needs for pool `pool` in a step computing from
-        `start` in beam `beam`: the first block its queries read, the beam's blocks from
-        there (NO_BLOCK where a scratch page serves), and the scratch pages by block index."""
-        first = self.cycles[pool].first_needed(start, self.tpb)
-        return (first, wseq.seqs[pool].beam_blocks(beam)[first:],
-                wseq.scratch_pages[pool])
-
-    # --- counters -------------------------------------------------------------------------
-
-    @property
-    def gpu_blocks_total(self) -> int:
-        return sum(m.gpu.capacity for m in self.managers)
-
-    @property
-    def host_blocks_total(self) -> int:
-        return sum(m.host.capacity if m.host is not None else 0 for m in self.managers)
-
-    @property
-    def gpu_bytes_total(self) -> int:
-        return sum(m.gpu.capacity * b for m, b in zip(self.managers, self.slot_bytes))
-
-    def total(self, counter: str) -> int:
-        """A `KVCacheManager` counter (`evicted_blocks`, `onboard_blocks`, ...) summed over
-        pools."""
-        return sum(getattr(m, counter) for m in self.managers)
-
-    # The counters under `KVCacheManager`'s names, summed over pools, so engine code reads
-    # either manager alike.
-    allocated_blocks = property(lambda self: self.total("allocated_blocks"))
-    evicted_blocks = property(lambda self: self.total("evicted_blocks"))
-    onboard_blocks = property(lambda self: self.total("onboard_blocks"))
-    offload_blocks = property(lambda self: self.total("offload_blocks"))
-    host_evicted_blocks = property(lambda self: self.total("host_evicted_blocks"))
-    partial_copy_blocks = property(lambda self: self.total("partial_copy_blocks"))
-    phase2_alloc_failures = property(lambda self: self.total("phase2_alloc_failures"))
-    peak_host_blocks = property(lambda self: self.total("peak_host_blocks"))
-    """Sum of each pool's peak (an upper bound on the host blocks held at once)."""
-
-    def metrics(self) -> dict:
-        """Memory metrics with several pools (`peak_gpu_blocks` counts slots of all pools,
-        `peak_gpu_bytes` weighs them by size), scratch use, and per pool (`pools`)."""
-        return {
-            "gpu_blocks_total": self.gpu_blocks_total,
-            "gpu_bytes_total": self.gpu_bytes_total,
-            "host_blocks_total": self.host_blocks_total,
-            "peak_gpu_blocks": self.peak_gpu_blocks,
-            "peak_gpu_bytes": self.peak_gpu_bytes,
-            "scratch_slots_peak": self.scratch_slots_peak,
-            "scratch_blocks": self.scratch_blocks,
-            "reuse_fallbacks": self.reuse_fallbacks,
-            "pools": self.pool_metrics(),
-        }
-
-    def pool_metrics(self) -> dict[str, dict]:
-        """Per pool (named `full` or `window_W`): its layers, slot size, blocks total and
-        peak (the pool's own peak; their sum may exceed `peak_gpu_blocks`)."""
-        return {pool_name(c): pool_figures(c, m, b)
-                for c, m, b in zip(self.cycles, self.managers, self.slot_bytes)}
-
     # --- the engine-cache contract (`cache/protocol.py`) -----------------------------------
 
     def drain_copy_ops(self) -> dict[int, list[CopyOp]]:
@@ -506,24 +415,6 @@ class WindowedCacheManager:
                 ops[i] = list(m.copy_ops)
                 m.copy_ops.clear()
         return ops
-
-    def page_views(self, wseq: WindowedSequence, start: int, end: int) -> list[PageView]:
-        own = max(start, wseq.shared_blocks * self.tpb)
-        beams = range(1, wseq.beam_width) if own < end else range(0)
-        views = []
-        for pool in range(len(self.managers)):
-            views.append(PageView(pool, 0, start, *self.step_view(wseq, pool, start)))
-            views += [PageView(pool, beam, own, *self.step_view(wseq, pool, own, beam))
-                      for beam in beams]
-        return views
-
-    def memory_metrics(self, slot_bytes: int) -> dict:  # noqa: ARG002 - each pool has its own
-        return self.metrics()
-
-    def moved_bytes(self, slot_bytes: int) -> tuple[int, int]:  # noqa: ARG002
-        pools = list(zip(self.managers, self.slot_bytes))
-        return (sum(m.onboard_blocks * b for m, b in pools),
-                sum(m.offload_blocks * b for m, b in pools))
 
     def enable_sanity_tracking(self) -> None:
         for m in self.managers:
@@ -616,56 +507,3 @@ class WindowedCacheManager:
         if first > low:
             self.managers[i].release_blocks(wseq.seqs[i], low, first, self.keep_cached)
             wseq.low[i] = first
-
-    def _note_peak(self) -> None:
-        blocks = nbytes = 0
-        for m, b in zip(self.managers, self.slot_bytes):
-            n = m.gpu.num_in_use
-            blocks += n
-            nbytes += n * b
-        if blocks > self.peak_gpu_blocks:
-            self.peak_gpu_blocks = blocks
-        if nbytes > self.peak_gpu_bytes:
-            self.peak_gpu_bytes = nbytes
-
-
-def pool_name(cycle: LifeCycle) -> str:
-    """A pool's name in the `pools` metric: `full` or `window_W`."""
-    return f"window_{cycle.window}" if cycle.window is not None else "full"
-
-
-def pool_figures(cycle: LifeCycle, manager: KVCacheManager, slot_bytes: int) -> dict:
-    """One pool's entry in the `pools` metric."""
-    return {
-        "layers": cycle.num_layers,
-        "slot_bytes": slot_bytes,
-        "gpu_blocks_total": manager.gpu.capacity,
-        "peak_gpu_blocks": manager.gpu.peak_in_use,
-        "host_blocks_total": manager.host.capacity if manager.host is not None else 0,
-        "evicted_blocks": manager.evicted_blocks,
-    }
-
-
-class _Pools:
-    """What a serve loop reads of `KVCacheManager.gpu`, over all pools: slots in use, cached
-    and empty summed (timeline), and the run's peak of slots held at once (admission reads
-    each pool: `WindowedCacheManager.free_per_pool`)."""
-
-    __slots__ = ("managers", "peak_in_use")
-
-    def __init__(self, managers: list[KVCacheManager], peak: int) -> None:
-        self.managers = managers
-        self.peak_in_use = peak
-
-    @property
-    def num_in_use(self) -> int:
-        return sum(m.gpu.num_in_use for m in self.managers)
-
-    @property
-    def num_cached(self) -> int:
-        return sum(m.gpu.num_cached for m in self.managers)
-
-    @property
-    def empty(self) -> range:
-        """Sized as the pools' empty blocks together (only its length means anything)."""
-        return range(sum(len(m.gpu.empty) for m in self.managers))

@@ -5,6 +5,11 @@ A block that is matched again must leave the queue from wherever it sits, and a 
 joins at the back; both are O(1) only with links stored per block (a deque would make removal
 O(n)). Python lists of ints beat per-node objects here because the replay touches millions of
 blocks. The lowest non-empty level is found from a bitmask, so `pop_front` is O(1) as well.
+
+An eviction policy (`policies/`) splits each level into `classes` FIFOs over the same arrays:
+FIFO `level x classes + class`, so the mask's lowest bit is the lowest level's lowest class,
+and a block's FIFO, links and (optionally) a policy's stamp are written in one pass per run.
+LRU is one class: FIFO = level.
 """
 
 from __future__ import annotations
@@ -18,17 +23,23 @@ _NONE = -1
 
 
 class FreeQueue:
-    """LRU order within a priority level; the head of the lowest level is evicted first."""
+    """LRU order within a priority level; the head of the lowest level is evicted first.
 
-    __slots__ = ("_next", "_prev", "_level", "_sentinel0", "_nonempty", "_size")
+    With `classes` > 1, the FIFO-level calls (`push_run`, `pop_upto`, `fifo_of`,
+    `lowest_fifo`) take FIFO indices (`level x classes + class`); the level calls
+    (`push_back`, `pop_front_many`, `requeue`) are for one class."""
 
-    def __init__(self, capacity: int) -> None:
+    __slots__ = ("_next", "_prev", "_level", "_sentinel0", "_nonempty", "_size", "classes")
+
+    def __init__(self, capacity: int, classes: int = 1) -> None:
+        self.classes = classes
         self._sentinel0 = capacity
-        total = capacity + NUM_PRIORITY_LEVELS
-        # Sentinel of level p sits at index capacity + p and links to itself when empty.
+        total = capacity + NUM_PRIORITY_LEVELS * classes
+        # Sentinel of FIFO q sits at index capacity + q and links to itself when empty.
         self._next = list(range(total))
         self._prev = list(range(total))
         self._level = [_NONE] * capacity
+        """The FIFO holding the block (its level with one class), -1 while not queued."""
         self._nonempty = 0
         self._size = 0
 
@@ -54,20 +65,35 @@ class FreeQueue:
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
         """`push_back` of each of `blocks` in order, linked as one run."""
+        self.push_run(blocks, priority)
+
+    def push_run(self, blocks: list[BlockId], fifo: int, stamps: list[int] | None = None,
+                 stamp: int = 0) -> None:
+        """Append `blocks` in order to FIFO `fifo` as one run, setting `stamps[b] = stamp` for
+        each when `stamps` is given (a policy's per-block mark, in the same pass)."""
         if not blocks:
             return
-        s = self._sentinel0 + priority
+        s = self._sentinel0 + fifo
         nxt, prv, level = self._next, self._prev, self._level
         last = prv[s]
-        for b in blocks:
-            assert level[b] == _NONE, "block already in the free queue"
-            nxt[last] = b
-            prv[b] = last
-            level[b] = priority
-            last = b
+        if stamps is None:
+            for b in blocks:
+                assert level[b] == _NONE, "block already in the free queue"
+                nxt[last] = b
+                prv[b] = last
+                level[b] = fifo
+                last = b
+        else:
+            for b in blocks:
+                assert level[b] == _NONE, "block already in the free queue"
+                nxt[last] = b
+                prv[b] = last
+                level[b] = fifo
+                stamps[b] = stamp
+                last = b
         nxt[last] = s
         prv[s] = last
-        self._nonempty |= 1 << priority
+        self._nonempty |= 1 << fifo
         self._size += len(blocks)
 
     def pop_front_many(self, n: int, max_level: int = NUM_PRIORITY_LEVELS) -> list[BlockId]:
@@ -106,13 +132,30 @@ class FreeQueue:
         mask = self._nonempty
         return (mask & -mask).bit_length() - 1 if mask else NUM_PRIORITY_LEVELS
 
-    def pop_level_upto(self, level: int, n: int, stamps=None, max_stamp=0) -> list[BlockId]:
-        """Up to `n` blocks from the front of `level`, while `stamps[block] <= max_stamp` when
-        `stamps` is given (a policy takes a run of victims at once: a queue ordered by a stamp,
-        or the heads a per-block mark lets go)."""
+    def lowest_fifo(self, mask: int = -1) -> int:
+        """The lowest non-empty FIFO among those set in `mask`, or -1 if none."""
+        m = self._nonempty & mask
+        return (m & -m).bit_length() - 1
+
+    def nonempty_mask(self) -> int:
+        """Bit q set: FIFO q holds a block."""
+        return self._nonempty
+
+    def fifo_of(self, block: BlockId) -> int:
+        """The FIFO holding `block`, -1 if it is not queued."""
+        return self._level[block]
+
+    def head(self, fifo: int) -> BlockId:
+        """The first block of FIFO `fifo` (its sentinel index when empty)."""
+        return self._next[self._sentinel0 + fifo]
+
+    def pop_upto(self, fifo: int, n: int, stamps=None, max_stamp=0) -> list[BlockId]:
+        """Up to `n` blocks from the front of FIFO `fifo`, while `stamps[block] <= max_stamp`
+        when `stamps` is given (a policy takes a run of victims at once: a queue ordered by a
+        stamp, or the heads a per-block mark lets go)."""
         out: list[BlockId] = []
         append = out.append
-        s = self._sentinel0 + level
+        s = self._sentinel0 + fifo
         nxt, prv, lv = self._next, self._prev, self._level
         b = nxt[s]
         if stamps is None:
@@ -130,11 +173,12 @@ class FreeQueue:
         nxt[s] = b
         prv[b] = s
         if b == s:
-            self._nonempty &= ~(1 << level)
+            self._nonempty &= ~(1 << fifo)
         self._size -= len(out)
         return out
 
-    def remove(self, block: BlockId) -> None:
+    def remove(self, block: BlockId) -> int:
+        """Unlink `block`; returns the FIFO it left (its level with one class)."""
         level = self._level[block]
         assert level != _NONE, "block not in the free queue"
         nxt, prv = self._next, self._prev
@@ -145,6 +189,7 @@ class FreeQueue:
         self._size -= 1
         if a == b:  # only the sentinel is left
             self._nonempty &= ~(1 << level)
+        return level
 
     def front(self) -> BlockId | None:
         """The block `pop_front` would return, or None when empty."""
@@ -160,13 +205,32 @@ class FreeQueue:
             self.remove(block)
         return block
 
-    def order(self) -> list[BlockId]:
-        """Eviction order, first victim first (tests and debugging; O(n))."""
+    def fifo_order(self, fifo: int) -> list[BlockId]:
+        """The blocks of FIFO `fifo`, head first (tests and debugging; O(n))."""
         out: list[BlockId] = []
-        for level in range(NUM_PRIORITY_LEVELS):
-            s = self._sentinel0 + level
-            b = self._next[s]
-            while b != s:
-                out.append(BlockId(b))
-                b = self._next[b]
+        s = self._sentinel0 + fifo
+        b = self._next[s]
+        while b != s:
+            out.append(BlockId(b))
+            b = self._next[b]
         return out
+
+    def order(self) -> list[BlockId]:
+        """Eviction order with one class, first victim first (tests and debugging; O(n))."""
+        out: list[BlockId] = []
+        for q in range(NUM_PRIORITY_LEVELS * self.classes):
+            out += self.fifo_order(q)
+        return out
+
+    def _check_sanity(self) -> bool:
+        seen = 0
+        for q in range(NUM_PRIORITY_LEVELS * self.classes):
+            s = self._sentinel0 + q
+            b = self._next[s]
+            assert bool(self._nonempty >> q & 1) == (b != s)
+            while b != s:
+                assert self._level[b] == q and self._next[self._prev[b]] == b
+                seen += 1
+                b = self._next[b]
+        assert seen == self._size == sum(f != _NONE for f in self._level)
+        return True

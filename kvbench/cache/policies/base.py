@@ -20,17 +20,13 @@ before their parents and orphans are rare.
 from __future__ import annotations
 
 from bisect import bisect_right
-from operator import itemgetter
 
-from ..free_queue import FreeQueue
+from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
 from ..ids import BlockId, BlockKey
 from ..radix import PrefixIndex
 
 
 _NO_BOUND = 1 << 62
-
-key_of = itemgetter(0)
-"""A stored record's block key (None for a partial block)."""
 
 
 class KeyHistory:
@@ -38,7 +34,8 @@ class KeyHistory:
 
     It outlives eviction on purpose (a ghost list, in cache terms): on real traffic most reuse
     comes after the block was evicted, so a policy that forgot a key with its block would never
-    see a second use. The owner advances `clock` (one tick per released block); when the map
+    see a second use. The owner writes `map` directly, in its own per-block loop (the hot
+    path), and advances `clock` (one tick per released block); when the map
     holds twice `capacity` keys, keys last used `capacity` ticks ago or earlier are dropped
     (at most `capacity` keys are written in that many ticks), so a key is remembered for
     between `capacity` and about `2 x capacity` ticks, in amortised O(1)."""
@@ -53,22 +50,6 @@ class KeyHistory:
     def __len__(self) -> int:
         return len(self.map)
 
-    def lookup_chain(self, stored: list, blocks: list[BlockId]) -> tuple[list, list]:
-        """The keys of a release's `blocks` (deepest first) and their entries (None: not
-        remembered), both shallowest first, as the sequence touched them. Keys in a chain
-        are distinct, so every lookup may come before the release records its uses."""
-        keys = list(map(key_of, map(stored.__getitem__, reversed(blocks))))
-        return keys, list(map(self.map.get, keys))
-
-    def record_chain(self, keys: list, entries: list[int], clock: int) -> None:
-        """Write `entries` for `keys` (from `lookup_chain`; a partial block's key None is not
-        remembered), advance the clock to `clock` and settle."""
-        m = self.map
-        m.update(zip(keys, entries))
-        m.pop(None, None)
-        self.clock = clock
-        self.settle()
-
     def settle(self) -> None:
         """Drop old keys if the map is full (call after writing to `map` directly)."""
         if len(self.map) > 2 * self.capacity:
@@ -77,38 +58,38 @@ class KeyHistory:
 
 
 class ClassQueuePolicy:
-    """Blocks in classes, each class a FIFO (one `FreeQueue` per class, in release order),
-    ordered by a score `head_score(class, stamp)` that grows with the stamp inside a class.
+    """Blocks in classes, each class a FIFO per priority level (in release order), ordered by
+    a score `head_score(class, stamp)` that grows with the stamp inside a class.
 
     A subclass gives each released block a class and the release one stamp (`_classify`), and
     gives the score of a class's head (`_head_scores`); scores may change over time (learnt
     estimates), but never the order inside a class. The victim is the head with the lowest
     score among the classes at the lowest priority level (ties: the lower class). So every
-    operation is O(1), or O(classes) per run of victims taken from one class.
+    operation is O(1), or O(classes) per run of victims taken from one class. The FIFOs are
+    one `FreeQueue` with a class per policy class, which writes a run's links, FIFO and
+    stamp in one pass.
 
     A release pushes its deepest block first, and a subclass caps each block's class at its
     parent's, so inside a class the deeper block leaves first, and across classes a child
     outranks its parent only if a lower class can score higher than a higher one at the same
     stamp (subclasses keep head scores monotone in the class)."""
 
-    __slots__ = ("index", "capacity", "queues", "stamp", "cls", "_size")
+    __slots__ = ("index", "capacity", "num_classes", "queue", "stamp")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  num_classes: int) -> None:
         self.index = index
         self.capacity = capacity
-        self.queues = [FreeQueue(id_space) for _ in range(num_classes)]
+        self.num_classes = num_classes
+        self.queue = FreeQueue(id_space, num_classes)
         self.stamp = [0] * id_space
         """The stamp of the release that queued the block."""
-        self.cls = bytearray(id_space)
-        """The block's class while it is queued."""
-        self._size = 0
 
     def __len__(self) -> int:
-        return self._size
+        return len(self.queue)
 
     def __contains__(self, block: BlockId) -> bool:
-        return block in self.queues[self.cls[block]]
+        return block in self.queue
 
     def push_back(self, block: BlockId, priority: int) -> None:
         self.push_back_many([block], priority)
@@ -117,62 +98,69 @@ class ClassQueuePolicy:
         if not blocks:
             return
         classes, stamp = self._classify(blocks)
-        cls, stamps, queues = self.cls, self.stamp, self.queues
-        for b in blocks:
-            stamps[b] = stamp
+        push, stamps = self.queue.push_run, self.stamp
+        q0 = priority * self.num_classes
         # A chain's classes only grow towards its root (the deepest block comes first), so
         # the release splits into a few runs of one class each.
-        start, n = 0, len(blocks)
+        c, n = classes[0], len(blocks)
+        if classes[-1] == c:
+            push(blocks, q0 + c, stamps, stamp)
+            return
+        start = 0
         while start < n:
             c = classes[start]
             end = bisect_right(classes, c, start)
-            run = blocks[start:end]
-            for b in run:
-                cls[b] = c
-            queues[c].push_back_many(run, priority)
+            push(blocks[start:end], q0 + c, stamps, stamp)
             start = end
-        self._size += len(blocks)
 
     def remove(self, block: BlockId) -> None:
-        self.queues[self.cls[block]].remove(block)
-        self._size -= 1
+        self.queue.remove(block)
 
     def requeue(self, block: BlockId, priority: int) -> None:
         """To the back of its class at level `priority`, stamped now (not a use)."""
-        self.stamp[block] = self._now()
-        self.queues[self.cls[block]].requeue(block, priority)
+        q = self.queue
+        c = q.fifo_of(block) % self.num_classes
+        q.remove(block)
+        q.push_run([block], priority * self.num_classes + c, self.stamp, self._now())
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
-        queues, stamps = self.queues, self.stamp
-        while len(out) < n and self._size:
-            level = min(q.lowest_level() for q in queues)
-            live = [c for c, q in enumerate(queues) if q.lowest_level() == level]
-            heads = [stamps[queues[c]._next[queues[c]._sentinel0 + level]] for c in live]
-            scores = self._head_scores(live, heads)
-            best = min(range(len(live)), key=scores.__getitem__)  # ties: the lower class
-            c = live[best]
-            # The run of c's heads that still beat every other class's head: a lower class
-            # wins ties, so against it c must score strictly less.
-            max_stamp = _NO_BOUND
-            for i, other in enumerate(live):
-                if i != best:
-                    t = self._max_stamp(c, scores[i], strict=other < c)
-                    if t < max_stamp:
-                        max_stamp = t
-            run = queues[c].pop_level_upto(level, n - len(out), stamps, max_stamp)
-            self._size -= len(run)
-            self._evicted(run, c)
-            out.extend(run)
+        queue, stamps = self.queue, self.stamp
+        classes = self.num_classes
+        every = (1 << classes) - 1
+        while len(out) < n and len(queue):
+            mask = queue.nonempty_mask()
+            low = (mask & -mask).bit_length() - 1
+            q0 = low - low % classes
+            live_mask = (mask >> q0) & every
+            c = low - q0
+            if live_mask & (live_mask - 1):  # several classes at this level
+                live = [k for k in range(c, classes) if live_mask >> k & 1]
+                scores = self._head_scores(live, [stamps[queue.head(q0 + k)] for k in live])
+                best = min(range(len(live)), key=scores.__getitem__)  # ties: the lower class
+                c = live[best]
+                # The run of c's heads that still beat every other class's head: a lower
+                # class wins ties, so against it c must score strictly less.
+                max_stamp = _NO_BOUND
+                for i, other in enumerate(live):
+                    if i != best:
+                        t = self._max_stamp(c, scores[i], strict=other < c)
+                        if t < max_stamp:
+                            max_stamp = t
+                run = queue.pop_upto(q0 + c, n - len(out), stamps, max_stamp)
+            else:
+                run = queue.pop_upto(low, n - len(out))
+            self._evicted(stamps[run[-1]], c)
+            out += run
         return out
 
     def order(self) -> list[BlockId]:
         """Eviction order if nothing changed meanwhile (tests; O(n log n))."""
         entries = []
-        for c, q in enumerate(self.queues):
-            for i, b in enumerate(q.order()):
-                s = self._head_scores([c], [self.stamp[b]])[0]
-                entries.append((q._level[b], s, c, i, b))
+        for q in range(NUM_PRIORITY_LEVELS * self.num_classes):
+            level, c = divmod(q, self.num_classes)
+            for i, b in enumerate(self.queue.fifo_order(q)):
+                entries.append((level, self._head_scores([c], [self.stamp[b]])[0], c, i, b))
         entries.sort()
         return [BlockId(e[4]) for e in entries]
 
@@ -195,13 +183,9 @@ class ClassQueuePolicy:
         """The largest stamp of class `cls` whose score is at most (`strict`: below) `score`."""
         raise NotImplementedError
 
-    def _evicted(self, blocks: list[BlockId], cls: int) -> None:
-        """Called with each run of victims, in eviction order."""
+    def _evicted(self, stamp: int, cls: int) -> None:
+        """Called after each run of victims taken from class `cls`, with its last one's stamp
+        (the highest)."""
 
     def _check_sanity(self) -> bool:
-        assert sum(len(q) for q in self.queues) == self._size
-        for c, q in enumerate(self.queues):
-            for b in q.order():
-                assert self.cls[b] == c
-        return True
-
+        return self.queue._check_sanity()

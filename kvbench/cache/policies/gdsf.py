@@ -50,27 +50,33 @@ class GDSFPolicy(ClassQueuePolicy):
         self._weight = int(params.freq_weight * _UNIT)
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[int], int]:
-        hist = self.history
-        keys, earlier = hist.lookup_chain(self.index.stored, blocks)
+        hist, stored = self.history, self.index.stored
+        m = hist.map
+        get = m.get
         top = self.params.max_freq
         clock = hist.clock
         classes: list[int] = []
-        entries: list[int] = []
-        add_class, add_entry = classes.append, entries.append
+        add_class = classes.append
         cap = top
-        for seen in earlier:  # shallowest first, as the sequence touched them
+        # Shallowest first, as the sequence touched them; keys in a chain are distinct, so
+        # each key's earlier use is read before this release writes its own.
+        for b in reversed(blocks):
+            key = stored[b][0]
             clock += 1
+            seen = get(key)
             if seen is None:
-                add_entry((clock << 8) | 1)
+                m[key] = (clock << 8) | 1
                 cap = 1
             else:
                 was = seen & 255
                 n = was + 1 if was < top else top
-                add_entry((clock << 8) | n)
+                m[key] = (clock << 8) | n
                 if n < cap:  # never above the parent
                     cap = n
             add_class(cap)
-        hist.record_chain(keys, entries, clock)
+        m.pop(None, None)  # a partial block's: never remembered
+        hist.clock = clock
+        hist.settle()
         classes.reverse()
         return classes, self.inflation
 
@@ -84,7 +90,7 @@ class GDSFPolicy(ClassQueuePolicy):
     def _max_stamp(self, cls: int, score: int, strict: bool) -> int:
         return score - self._weight * cls - (1 if strict else 0)
 
-    def _evicted(self, blocks: list[BlockId], cls: int) -> None:
-        h = self.stamp[blocks[-1]] + self._weight * cls
+    def _evicted(self, stamp: int, cls: int) -> None:
+        h = stamp + self._weight * cls
         if h > self.inflation:
             self.inflation = h

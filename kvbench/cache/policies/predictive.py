@@ -67,21 +67,25 @@ class PredictivePolicy(ClassQueuePolicy):
         return (self.reuses[cls] + p.prior * p.prior_weight) / (self.uses[cls] + p.prior_weight)
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[int], int]:
-        hist = self.history
-        keys, earlier = hist.lookup_chain(self.index.stored, blocks)
-        reuses, horizon = self.reuses, self._horizon
+        hist, stored = self.history, self.index.stored
+        m = hist.map
+        get = m.get
+        reuses, uses, horizon = self.reuses, self.uses, self._horizon
         top = self.params.max_class
         stamp = clock = hist.clock
         classes: list[int] = []
-        entries: list[int] = []
-        add_class, add_entry = classes.append, entries.append
+        add_class = classes.append
         cap = top
-        uses = self.uses
-        uses[1] += earlier.count(None)
-        for seen in earlier:  # shallowest first, as the sequence touched them
+        new = 0
+        # Shallowest first, as the sequence touched them; keys in a chain are distinct, so
+        # each key's earlier use is read before this release writes its own.
+        for b in reversed(blocks):
+            key = stored[b][0]
             clock += 1
+            seen = get(key)
             if seen is None:
-                add_entry((clock << 8) | 1)  # (clock of this use << 8) | its class
+                m[key] = (clock << 8) | 1  # (clock of this use << 8) | its class
+                new += 1
                 cap = 1
             else:
                 was = seen & 255
@@ -89,11 +93,14 @@ class PredictivePolicy(ClassQueuePolicy):
                     reuses[was] += 1
                 cls = was + 1 if was < top else top
                 uses[cls] += 1
-                add_entry((clock << 8) | cls)
+                m[key] = (clock << 8) | cls
                 if cls < cap:  # never above the parent
                     cap = cls
             add_class(cap)
-        hist.record_chain(keys, entries, clock)
+        uses[1] += new
+        m.pop(None, None)  # a partial block's: never remembered
+        hist.clock = clock
+        hist.settle()
         self._update_shifts()
         classes.reverse()
         return classes, stamp

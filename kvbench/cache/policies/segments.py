@@ -1,6 +1,7 @@
 """Two-queue policies over the LRU free queue: SLRU/2Q and S3-FIFO.
 
-Both keep a block's free copies in one of two `FreeQueue`s (so every operation stays O(1)) and
+Both keep a block's free copies in one of two FIFOs per priority level, class 0 (probation /
+small) and class 1 (protected / main) of one `FreeQueue` (so every operation stays O(1)), and
 learn a key's earlier uses from a bounded `KeyHistory` that outlives eviction (the ghost list of
 2Q and S3-FIFO). A claimed (in-use) block leaves its queue, as with LRU, and re-enters at the
 tail of its queue on release: in cache mode every access is a claim and a release. Retention
@@ -13,48 +14,56 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..free_queue import FreeQueue
+from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import KeyHistory, key_of
+from .base import KeyHistory
+
+_FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
+"""FIFO mask of the first queue (class 0) at every level."""
+_SECOND = _FIRST << 1
+"""FIFO mask of the second queue (class 1) at every level."""
 
 
 class _TwoQueues:
-    """What SLRU and S3-FIFO share: a `first` queue (probation / small), a `second` one
-    (protected / main), and which data each block last held."""
+    """What SLRU and S3-FIFO share: the `first` queue (probation / small, class 0), the
+    `second` one (protected / main, class 1), and which data each block last held."""
 
-    __slots__ = ("index", "capacity", "first", "second", "history", "_rec")
+    __slots__ = ("index", "capacity", "queue", "num_second", "history", "_rec")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  history_ratio: float) -> None:
         self.index = index
         self.capacity = capacity
-        self.first = FreeQueue(id_space)
-        self.second = FreeQueue(id_space)
+        self.queue = FreeQueue(id_space, 2)
+        self.num_second = 0
+        """Blocks in the second queue."""
         self.history = KeyHistory(int(history_ratio * capacity))
         self._rec: list = [None] * id_space
         """The stored record a block held when last queued: a different one is new data."""
 
     def __len__(self) -> int:
-        return len(self.first) + len(self.second)
+        return len(self.queue)
 
     def __contains__(self, block: BlockId) -> bool:
-        return block in self.first or block in self.second
+        return block in self.queue
 
     def push_back(self, block: BlockId, priority: int) -> None:
         self.push_back_many([block], priority)
 
     def requeue(self, block: BlockId, priority: int) -> None:
         """To the back of its queue at level `priority` (its retention ended; not a use)."""
-        (self.second if block in self.second else self.first).requeue(block, priority)
+        q = self.queue
+        q.push_run([block], 2 * priority + (q.remove(block) & 1))
 
     def remove(self, block: BlockId) -> None:
         """A claim: the block is in use (a hit, or a partial match being taken)."""
-        (self.second if block in self.second else self.first).remove(block)
+        self.num_second -= self.queue.remove(block) & 1
 
     def _check_sanity(self) -> bool:
-        for b in range(len(self._rec)):
-            assert not (b in self.first and b in self.second)
+        assert self.queue._check_sanity()
+        assert self.num_second == sum(len(self.queue.fifo_order(2 * lv + 1))
+                                      for lv in range(NUM_PRIORITY_LEVELS))
         return True
 
 
@@ -82,47 +91,55 @@ class SLRUPolicy(_TwoQueues):
         self._cap = int(params.protected_ratio * capacity)
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
-        hist, last = self.history, self._rec
-        seen = hist.map
-        recs = list(map(self.index.stored.__getitem__, blocks))
+        hist, last, stored = self.history, self._rec, self.index.stored
+        m = hist.map
         probation: list[BlockId] = []
         protected: list[BlockId] = []
         to_probation, to_protected = probation.append, protected.append
-        # A block queued again with the data it held when last queued left the queue by a
-        # claim (eviction forgets the data), so it was reused while cached: protected. Keys in
-        # a chain are distinct, so whether a key was seen is decided before this release
-        # records its uses (one C-level update below, not a dict store per block).
-        for b, rec in zip(blocks, recs):
+        # The sequence touched its blocks shallowest first: one clock tick each, so the
+        # deepest (first here) gets the latest. A block queued again with the data it held
+        # when last queued left the queue by a claim (eviction forgets the data), so it was
+        # reused while cached: protected. Keys in a chain are distinct, so whether a key was
+        # seen is read before this release writes it.
+        n = len(blocks)
+        entry = (hist.clock + n) << 8
+        for b in blocks:
+            rec = stored[b]
+            key = rec[0]
             if rec is last[b]:
                 to_protected(b)
             else:  # new data: protected if its key was used before (None never is)
                 last[b] = rec
-                (to_protected if rec[0] in seen else to_probation)(b)
-        # The sequence touched its blocks shallowest first: one clock tick each.
-        clock, n = hist.clock, len(recs)
-        recs.reverse()
-        hist.record_chain(list(map(key_of, recs)),
-                          range((clock + 1) << 8, (clock + n + 1) << 8, 256), clock + n)
-        self.first.push_back_many(probation, priority)
-        second = self.second
-        second.push_back_many(protected, priority)
-        excess = len(second) - self._cap
+                (to_protected if key in m else to_probation)(b)
+            m[key] = entry
+            entry -= 256
+        m.pop(None, None)
+        hist.clock += n
+        hist.settle()
+        queue = self.queue
+        queue.push_run(probation, 2 * priority)
+        queue.push_run(protected, 2 * priority + 1)
+        self.num_second += len(protected)
+        excess = self.num_second - self._cap
         while excess > 0:  # demote protected's LRU end, one run per level
-            level = second.lowest_level()
-            run = second.pop_level_upto(level, excess)
-            self.first.push_back_many(run, level)
+            fifo = queue.lowest_fifo(_SECOND)
+            run = queue.pop_upto(fifo, excess)
+            queue.push_run(run, fifo - 1)
+            self.num_second -= len(run)
             excess -= len(run)
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
-        first, second, rec = self.first, self.second, self._rec
-        while len(out) < n and (len(first) or len(second)):
-            lf, ls = first.lowest_level(), second.lowest_level()
-            q, level = (first, lf) if lf <= ls else (second, ls)
-            run = q.pop_level_upto(level, n - len(out))
+        queue, rec = self.queue, self._rec
+        # The lowest FIFO: probation before protected at each level.
+        while len(out) < n and len(queue):
+            fifo = queue.lowest_fifo()
+            run = queue.pop_upto(fifo, n - len(out))
+            if fifo & 1:
+                self.num_second -= len(run)
             for b in run:
                 rec[b] = None
-            out.extend(run)
+            out += run
         return out
 
 
@@ -159,15 +176,15 @@ class S3FIFOPolicy(_TwoQueues):
         """In (or, while claimed, returning to) the main FIFO."""
 
     def remove(self, block: BlockId) -> None:
-        (self.second if self._in_second[block] else self.first).remove(block)
+        self.num_second -= self.queue.remove(block) & 1
         self._hit[block] = 1
 
     def _check_sanity(self) -> bool:
+        assert super()._check_sanity()
         for b in range(len(self._in_second)):
-            if b in self.first:
-                assert not self._in_second[b]
-            if b in self.second:
-                assert self._in_second[b]
+            f = self.queue.fifo_of(b)
+            if f >= 0:
+                assert self._in_second[b] == f & 1
         return True
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
@@ -176,6 +193,7 @@ class S3FIFOPolicy(_TwoQueues):
         top = self.params.max_freq
         small: list[BlockId] = []
         main: list[BlockId] = []
+        to_small, to_main = small.append, main.append
         last = self._rec
         for b in blocks:
             rec = stored[b]
@@ -183,52 +201,69 @@ class S3FIFOPolicy(_TwoQueues):
                 last[b] = rec
                 hit[b] = 0
                 freq[b] = 0
-                key = rec[0]
-                in_second[b] = key is not None and key in ghosts
-            elif hit[b]:
+                if rec[0] in ghosts:  # (never None)
+                    in_second[b] = 1
+                    to_main(b)
+                else:
+                    in_second[b] = 0
+                    to_small(b)
+                continue
+            if hit[b]:
                 hit[b] = 0
                 if freq[b] < top:
                     freq[b] += 1
-            (main if in_second[b] else small).append(b)
-        self.first.push_back_many(small, priority)
-        self.second.push_back_many(main, priority)
+            (to_main if in_second[b] else to_small)(b)
+        queue = self.queue
+        queue.push_run(small, 2 * priority)
+        queue.push_run(main, 2 * priority + 1)
+        self.num_second += len(main)
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
-        first, second, in_second, freq = self.first, self.second, self._in_second, self._freq
+        queue, in_second, freq = self.queue, self._in_second, self._freq
         hist, stored, rec = self.history, self.index.stored, self._rec
-        while len(out) < n and (len(first) or len(second)):
-            lf, ls = first.lowest_level(), second.lowest_level()
-            if lf < ls or (lf == ls and len(first) > self._target):
+        while len(out) < n and len(queue):
+            fs, fm = queue.lowest_fifo(_FIRST), queue.lowest_fifo(_SECOND)
+            lf = fs >> 1 if fs >= 0 else NUM_PRIORITY_LEVELS
+            ls = fm >> 1 if fm >= 0 else NUM_PRIORITY_LEVELS
+            num_first = len(queue) - self.num_second
+            if lf < ls or (lf == ls and num_first > self._target):
                 # The small FIFO's unaccessed heads are evicted as one run (down to its target
                 # size while the main FIFO has blocks at this level); an accessed head moves.
-                k = n - len(out) if lf < ls else min(n - len(out), len(first) - self._target)
-                run = first.pop_level_upto(lf, k, freq, 0)
+                k = n - len(out) if lf < ls else min(n - len(out), num_first - self._target)
+                run = queue.pop_upto(fs, k, freq, 0)
                 if run:
+                    m, clock, limit = hist.map, hist.clock, 2 * hist.capacity
                     for b in run:
                         key = stored[b][0]
                         if key is not None:
-                            hist.clock += 1
-                            hist.map[key] = hist.clock << 8
-                            hist.settle()
+                            clock += 1
+                            m[key] = clock << 8
+                            if len(m) > limit:
+                                hist.clock = clock
+                                hist.settle()
+                                m = hist.map
                         rec[b] = None
-                    out.extend(run)
+                    hist.clock = clock
+                    out += run
                 else:
-                    b = first.front()
-                    first.remove(b)
+                    b = queue.head(fs)
+                    queue.remove(b)
                     freq[b] = 0
                     in_second[b] = 1
-                    second.push_back(b, lf)
+                    queue.push_run([b], fs + 1)
+                    self.num_second += 1
             else:
-                run = second.pop_level_upto(ls, n - len(out), freq, 0)
+                run = queue.pop_upto(fm, n - len(out), freq, 0)
                 if run:
                     for b in run:
                         in_second[b] = 0
                         rec[b] = None
-                    out.extend(run)
+                    self.num_second -= len(run)
+                    out += run
                 else:  # an accessed head: a second chance at the tail
-                    b = second.front()
-                    second.remove(b)
+                    b = queue.head(fm)
+                    queue.remove(b)
                     freq[b] -= 1
-                    second.push_back(b, ls)
+                    queue.push_run([b], fm)
         return out

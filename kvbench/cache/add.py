@@ -195,9 +195,7 @@ class AddPath:
         claimed `partial` block, so no eviction can take them; nothing is allocated.
         `onboard` completes the add."""
         seq = CacheSeq(request, request.block_keys(self.tpb))
-        for b in full:
-            if b != NO_BLOCK:
-                self._claim(b)
+        self._claim_many(full)
         seq.blocks = full
         seq.holes = bool(full) and full[0] == NO_BLOCK
         seq.num_stored = seq.reused_full_blocks = len(full)

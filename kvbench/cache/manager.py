@@ -338,12 +338,12 @@ class KVCacheManager(AddPath, HostTier):
         its blocks in order, unless `keep_cached` is off, then it leaves the index; the rest
         become empty. Returns the blocks freed."""
         ref, stored, index = self.ref_count, self.index.stored, self.index
-        empty = self.gpu.empty
-        cached: list[int] = []
-        """Positions in `blocks` of the freed stored blocks, deepest first."""
+        empty, prio = self.gpu.empty, self.priority
+        level = request.priority
+        cached: list[BlockId] = []
+        """The freed stored blocks, deepest first."""
         freed = 0
-        for i in range(len(blocks) - 1, -1, -1):
-            b = blocks[i]
+        for b in reversed(blocks):
             if b < 0:  # NO_BLOCK
                 continue
             r = ref[b] - 1
@@ -354,33 +354,31 @@ class KVCacheManager(AddPath, HostTier):
             if stored[b] is None:
                 empty.append(b)
             elif keep_cached:
-                cached.append(i)
+                cached.append(b)
+                prio[b] = level
             else:
                 index.remove(b)
                 empty.append(b)
         self.gpu.num_in_use -= freed
         if cached and self._admission is not None:
-            cached = self._admit(blocks, cached)
+            cached = self._admit(cached)
         if not cached:
             return freed
-        prio, fq = self.priority, self.gpu.free_queue
+        fq = self.gpu.free_queue
         if request.retention is None:
-            level = request.priority
-            run = [blocks[i] for i in cached]
-            for b in run:
-                prio[b] = level
-            fq.push_back_many(run, level)
+            fq.push_back_many(cached, level)
             if self._expiring:  # a stale heap entry may name one of them
                 expires = self.expires
-                for b in run:
+                for b in cached:
                     expires[b] = 0.0
             return freed
         table = request.block_retentions(self.tpb)
         decode = (request.retention.decode_priority, request.retention.decode_duration_ms)
+        where = {b: first + i for i, b in enumerate(blocks)}
         # Runs of one level go to the queue together: a policy sees a chain, not lone blocks.
         run: list[BlockId] = []
-        for i in cached:
-            b, pos = blocks[i], first + i
+        for b in cached:
+            pos = where[b]
             level, duration_ms = table[pos] if pos < len(table) else decode
             if run and prio[run[-1]] != level:
                 fq.push_back_many(run, prio[run[-1]])
@@ -404,34 +402,44 @@ class KVCacheManager(AddPath, HostTier):
         elif self._expiring:
             self.expires[b] = 0.0
 
-    def _admit(self, blocks: list[BlockId], cached: list[int]) -> list[int]:
-        """The positions among `cached` (positions in `blocks` of freed stored blocks) whose
-        blocks the admission lets into the cache; computed ones it turns away leave the index
-        and become empty. Reused blocks always stay (their keys are still recorded as used)."""
-        admit, fresh, index = self._admission.admit, self._fresh, self.index
-        stored, empty = index.stored, self.gpu.empty
-        kept = []
-        for i in cached:
-            b = blocks[i]
-            if admit(stored[b][0]) or not fresh[b]:
-                kept.append(i)
-            else:
-                index.remove(b)
-                empty.append(b)
-            fresh[b] = 0
+    def _admit(self, cached: list[BlockId]) -> list[BlockId]:
+        """The freed stored blocks among `cached` the admission lets into the cache;
+        computed ones it turns away leave the index and become empty. Reused blocks always
+        stay (their keys are still recorded as used)."""
+        kept, away = self._admission.filter(cached, self.index.stored, self._fresh)
+        if away:
+            self.index.remove_many(away)
+            self.gpu.empty += away
         return kept
 
     def _pool(self, b: BlockId) -> BlockPool:
         return self.gpu if b < self.gpu.capacity else self.host
     def _claim(self, b: BlockId) -> None:
-        r = self.ref_count[b]
-        if r == 0:
-            pool = self._pool(b)
-            pool.free_queue.remove(b)
-            pool.num_in_use += 1
-            if pool is self.gpu and pool.num_in_use > pool.peak_in_use:
-                pool.peak_in_use = pool.num_in_use
-        self.ref_count[b] = r + 1
+        self._claim_many((b,))
+
+    def _claim_many(self, blocks: list[BlockId]) -> None:
+        """One more hold on each of `blocks` (NO_BLOCK entries are skipped); a free one leaves
+        its pool's free queue."""
+        ref, g = self.ref_count, self.gpu.capacity
+        gpu = self.gpu
+        take = gpu.free_queue.remove
+        claimed = 0
+        for b in blocks:
+            if b < 0:  # NO_BLOCK
+                continue
+            r = ref[b]
+            if r == 0:
+                if b < g:
+                    take(b)
+                    claimed += 1
+                else:
+                    self.host.free_queue.remove(b)
+                    self.host.num_in_use += 1
+            ref[b] = r + 1
+        if claimed:
+            gpu.num_in_use += claimed
+            if gpu.num_in_use > gpu.peak_in_use:
+                gpu.peak_in_use = gpu.num_in_use
 
     def _unclaim(self, b: BlockId) -> None:
         r = self.ref_count[b] - 1

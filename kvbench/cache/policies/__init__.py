@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..free_queue import FreeQueue
-from ..ids import BlockKey
+from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import KeyHistory
 from .gdsf import GDSFParams, GDSFPolicy
@@ -58,12 +58,28 @@ class SecondUseAdmission:
     def __init__(self, capacity: int, params: AdmissionParams) -> None:
         self.history = KeyHistory(int(params.history_ratio * capacity))
 
-    def admit(self, key: BlockKey | None) -> bool:
-        if key is None:  # a partial block: kept, as with LRU
-            return True
+    def filter(self, blocks: list[BlockId], stored: list, fresh: bytearray
+               ) -> tuple[list[BlockId], list[BlockId]]:
+        """Split freed stored `blocks` (deepest first) into those admitted and those turned
+        away, recording each key's use; `fresh[b]`: computed here (cleared). A partial block
+        (no key) is kept, as with LRU."""
         hist = self.history
-        seen = key in hist.map
-        hist.clock += 1
-        hist.map[key] = hist.clock << 8
-        hist.settle()
-        return seen
+        m, clock, limit = hist.map, hist.clock, 2 * hist.capacity
+        kept: list[BlockId] = []
+        away: list[BlockId] = []
+        for b in blocks:
+            key = stored[b][0]
+            if key is None:
+                kept.append(b)
+            else:
+                seen = key in m
+                clock += 1
+                m[key] = clock << 8
+                if len(m) > limit:
+                    hist.clock = clock
+                    hist.settle()
+                    m = hist.map
+                (kept if seen or not fresh[b] else away).append(b)
+            fresh[b] = 0
+        hist.clock = clock
+        return kept, away

@@ -19,8 +19,6 @@ before their parents and orphans are rare.
 
 from __future__ import annotations
 
-from bisect import bisect_right
-
 from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
 from ..ids import BlockId, BlockKey
 from ..radix import PrefixIndex
@@ -97,21 +95,16 @@ class ClassQueuePolicy:
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
         if not blocks:
             return
-        classes, stamp = self._classify(blocks)
+        cuts, stamp = self._classify(blocks)
         push, stamps = self.queue.push_run, self.stamp
         q0 = priority * self.num_classes
-        # A chain's classes only grow towards its root (the deepest block comes first), so
-        # the release splits into a few runs of one class each.
-        c, n = classes[0], len(blocks)
-        if classes[-1] == c:
-            push(blocks, q0 + c, stamps, stamp)
-            return
-        start = 0
-        while start < n:
-            c = classes[start]
-            end = bisect_right(classes, c, start)
-            push(blocks[start:end], q0 + c, stamps, stamp)
-            start = end
+        # A chain's classes only fall away from its root, so the release is a few runs of
+        # one class each; `blocks` come deepest first, so its runs are the cuts reversed.
+        n = len(blocks)
+        end = n
+        for pos, c in reversed(cuts):
+            push(blocks[n - end:n - pos] if pos or end < n else blocks, q0 + c, stamps, stamp)
+            end = pos
 
     def remove(self, block: BlockId) -> None:
         self.queue.remove(block)
@@ -166,9 +159,11 @@ class ClassQueuePolicy:
 
     # --- for subclasses -------------------------------------------------------------------
 
-    def _classify(self, blocks: list[BlockId]) -> tuple[list[int], int]:
-        """Classes of a release's `blocks` (deepest first), none above its parent's, and the
-        release's stamp (an int that never decreases from one release to the next)."""
+    def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
+        """Classes of a release's `blocks` (deepest first), none above its parent's, as cuts
+        `(position, class)`: from the shallowest block's position 0 on, each cut's class
+        holds up to the next cut's position (positions count from the shallowest block); and
+        the release's stamp (an int that never decreases from one release to the next)."""
         raise NotImplementedError
 
     def _now(self) -> int:

@@ -49,14 +49,13 @@ class GDSFPolicy(ClassQueuePolicy):
         """L (in 1/1024ths): the H of the latest victim."""
         self._weight = int(params.freq_weight * _UNIT)
 
-    def _classify(self, blocks: list[BlockId]) -> tuple[list[int], int]:
+    def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
         hist, stored = self.history, self.index.stored
         m = hist.map
         get = m.get
         top = self.params.max_freq
-        clock = hist.clock
-        classes: list[int] = []
-        add_class = classes.append
+        start = clock = hist.clock
+        cuts = [(0, top)]
         cap = top
         # Shallowest first, as the sequence touched them; keys in a chain are distinct, so
         # each key's earlier use is read before this release writes its own.
@@ -66,19 +65,20 @@ class GDSFPolicy(ClassQueuePolicy):
             seen = get(key)
             if seen is None:
                 m[key] = (clock << 8) | 1
-                cap = 1
+                if cap > 1:
+                    cuts.append((clock - start - 1, 1))
+                    cap = 1
             else:
                 was = seen & 255
                 n = was + 1 if was < top else top
                 m[key] = (clock << 8) | n
                 if n < cap:  # never above the parent
+                    cuts.append((clock - start - 1, n))
                     cap = n
-            add_class(cap)
         m.pop(None, None)  # a partial block's: never remembered
         hist.clock = clock
         hist.settle()
-        classes.reverse()
-        return classes, self.inflation
+        return cuts, self.inflation
 
     def _now(self) -> int:
         return self.inflation

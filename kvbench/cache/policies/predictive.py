@@ -66,15 +66,14 @@ class PredictivePolicy(ClassQueuePolicy):
         p = self.params
         return (self.reuses[cls] + p.prior * p.prior_weight) / (self.uses[cls] + p.prior_weight)
 
-    def _classify(self, blocks: list[BlockId]) -> tuple[list[int], int]:
+    def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
         hist, stored = self.history, self.index.stored
         m = hist.map
         get = m.get
         reuses, uses, horizon = self.reuses, self.uses, self._horizon
         top = self.params.max_class
-        stamp = clock = hist.clock
-        classes: list[int] = []
-        add_class = classes.append
+        start = clock = hist.clock
+        cuts = [(0, top)]
         cap = top
         new = 0
         # Shallowest first, as the sequence touched them; keys in a chain are distinct, so
@@ -86,7 +85,9 @@ class PredictivePolicy(ClassQueuePolicy):
             if seen is None:
                 m[key] = (clock << 8) | 1  # (clock of this use << 8) | its class
                 new += 1
-                cap = 1
+                if cap > 1:
+                    cuts.append((clock - start - 1, 1))
+                    cap = 1
             else:
                 was = seen & 255
                 if clock - (seen >> 8) <= horizon:
@@ -95,15 +96,14 @@ class PredictivePolicy(ClassQueuePolicy):
                 uses[cls] += 1
                 m[key] = (clock << 8) | cls
                 if cls < cap:  # never above the parent
+                    cuts.append((clock - start - 1, cls))
                     cap = cls
-            add_class(cap)
         uses[1] += new
         m.pop(None, None)  # a partial block's: never remembered
         hist.clock = clock
         hist.settle()
         self._update_shifts()
-        classes.reverse()
-        return classes, stamp
+        return cuts, start
 
     def _update_shifts(self) -> None:
         shift, scale = self._shift, self._scale

@@ -11,13 +11,17 @@ Usage: python benchmarks/bench_policies.py [--traces conversation,synthetic]
        [--capacities 1048576,262144] [--policies lru,slru,...] [--admission second_use]
        [--no-partial] [--markdown]
 The LRU reference is always LRU with admission `all` (run first when --admission is another).
-Timings on a shared machine are noisy: compare policies from the same invocation.
+Timings on a shared machine are noisy: compare policies from the same invocation. The first
+line states the machine and its load (the 1-minute load average before and after the replays);
+Mops/s is CPU time of the replay alone (keys precomputed, the oracle not counted).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
+import platform
 import time
 from pathlib import Path
 
@@ -41,6 +45,7 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     policies = args.policies.split(",")
+    print(f"# {_machine()}, load {os.getloadavg()[0]:.2f}", flush=True)
     head = "trace capacity policy hit lru optimal gap_closed vs_lru_pp Mops/s"
     print(("| " + " | ".join(head.split()) + " |\n|" + "---|" * len(head.split()))
           if args.markdown else head)
@@ -61,9 +66,9 @@ def main() -> None:
                 spec = CacheSpec(args.tpb, blocks, enable_partial_reuse=args.partial,
                                  eviction_policy=policy, admission=admission)
                 manager = KVCacheManager(spec)
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 result = replay_cache_mode(requests, manager)
-                wall = time.perf_counter() - t0
+                cpu = time.process_time() - t0
                 ops = manager.allocated_blocks + result.reused_full_blocks
                 hit = result.reused_tokens / result.prompt_tokens
                 if lru is None and policy == "lru":
@@ -74,11 +79,23 @@ def main() -> None:
                        f"{100 * lru:.2f}%" if lru is not None else "-", f"{100 * optimal:.2f}%",
                        f"{100 * gap:.1f}%" if gap is not None else "-",
                        f"{100 * (hit - lru):+.2f}" if lru is not None else "-",
-                       f"{ops / wall / 1e6:.2f}"]
+                       f"{ops / cpu / 1e6:.2f}"]
                 print(("| " + " | ".join(row) + " |") if args.markdown else " ".join(row),
                       flush=True)
             for r in requests:
                 r.drop_keys()
+    print(f"# load {os.getloadavg()[0]:.2f} after", flush=True)
+
+
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
 
 if __name__ == "__main__":

@@ -63,23 +63,11 @@ class SecondUseAdmission:
         """Split freed stored `blocks` (deepest first) into those admitted and those turned
         away, recording each key's use; `fresh[b]`: computed here (cleared). A partial block
         (no key) is kept, as with LRU."""
-        hist = self.history
-        m, clock, limit = hist.map, hist.clock, 2 * hist.capacity
+        keys = [stored[b][0] for b in blocks]
+        seen = self.history.record_each(keys)
         kept: list[BlockId] = []
         away: list[BlockId] = []
-        for b in blocks:
-            key = stored[b][0]
-            if key is None:
-                kept.append(b)
-            else:
-                seen = key in m
-                clock += 1
-                m[key] = clock << 8
-                if len(m) > limit:
-                    hist.clock = clock
-                    hist.settle()
-                    m = hist.map
-                (kept if seen or not fresh[b] else away).append(b)
+        for b, key, was in zip(blocks, keys, seen):
+            (kept if was or key is None or not fresh[b] else away).append(b)
             fresh[b] = 0
-        hist.clock = clock
         return kept, away

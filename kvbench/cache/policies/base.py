@@ -48,6 +48,25 @@ class KeyHistory:
     def __len__(self) -> int:
         return len(self.map)
 
+    def record_each(self, keys: list) -> list[bool]:
+        """Record each of `keys` (distinct; None is skipped, as never seen) at its own tick,
+        settling as the map fills; returns whether each was remembered just before."""
+        m, clock, limit = self.map, self.clock, 2 * self.capacity
+        seen: list[bool] = []
+        for key in keys:
+            if key is None:
+                seen.append(False)
+                continue
+            seen.append(key in m)
+            clock += 1
+            m[key] = clock << 8
+            if len(m) > limit:
+                self.clock = clock
+                self.settle()
+                m = self.map
+        self.clock = clock
+        return seen
+
     def settle(self) -> None:
         """Drop old keys if the map is full (call after writing to `map` directly)."""
         if len(self.map) > 2 * self.capacity:

@@ -232,19 +232,10 @@ class S3FIFOPolicy(_TwoQueues):
                 # size while the main FIFO has blocks at this level); an accessed head moves.
                 k = n - len(out) if lf < ls else min(n - len(out), num_first - self._target)
                 run = queue.pop_upto(fs, k, freq, 0)
-                if run:
-                    m, clock, limit = hist.map, hist.clock, 2 * hist.capacity
+                if run:  # their keys become ghosts
+                    hist.record_each([stored[b][0] for b in run])
                     for b in run:
-                        key = stored[b][0]
-                        if key is not None:
-                            clock += 1
-                            m[key] = clock << 8
-                            if len(m) > limit:
-                                hist.clock = clock
-                                hist.settle()
-                                m = hist.map
                         rec[b] = None
-                    hist.clock = clock
                     out += run
                 else:
                     b = queue.head(fs)

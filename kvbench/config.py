@@ -193,6 +193,17 @@ class PredictiveConfig(Section):
         8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks.")
 
 
+class LRU2Config(Section):
+    """LRU-2, or LRU while an LRU shadow cache does better (`cache.eviction_policy: lru2`)."""
+
+    history_ratio: float = Field(
+        8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks; the"
+        " shadow counts halve every such period.")
+    shadow_sampling: int = Field(
+        8, ge=0, description="One key in this many feeds the LRU and LRU-2 shadow caches that"
+        " choose the order (0: always LRU-2).")
+
+
 class PolicyConfig(Section):
     """Parameters of each eviction policy; only the chosen one's are used."""
 
@@ -201,6 +212,7 @@ class PolicyConfig(Section):
     gdsf: GDSFConfig = Field(default_factory=GDSFConfig, description="gdsf parameters.")
     predictive: PredictiveConfig = Field(
         default_factory=PredictiveConfig, description="predictive parameters.")
+    lru2: LRU2Config = Field(default_factory=LRU2Config, description="lru2 parameters.")
 
 
 class CacheConfig(Section):
@@ -262,10 +274,10 @@ class CacheConfig(Section):
         " request's reuse ends there and phase2_alloc_failures counts it.",
     )
 
-    eviction_policy: Literal["lru", "slru", "s3fifo", "gdsf", "predictive"] = Field(
+    eviction_policy: Literal["lru", "slru", "s3fifo", "gdsf", "predictive", "lru2"] = Field(
         "lru",
         description="Order of free cached GPU blocks inside a retention priority level:"
-        " lru (TensorRT-LLM), slru, s3fifo, gdsf, predictive.",
+        " lru (TensorRT-LLM), slru, s3fifo, gdsf, predictive, lru2.",
     )
     policy: PolicyConfig = Field(
         default_factory=PolicyConfig, description="Parameters of the eviction policies."

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbench.cache.manager import CacheSpec, KVCacheManager
-from kvbench.cache.policies import (POLICIES, POLICY_NAMES, GDSFParams, PredictiveParams,
-                                    S3FIFOParams, SLRUParams)
+from kvbench.cache.policies import (POLICIES, POLICY_NAMES, GDSFParams, LRU2Params,
+                                    PredictiveParams, S3FIFOParams, SLRUParams)
 from kvbench.traffic.request import Request
 from strategies import related_prompts
 from test_cache_manager import DataCheckingDriver, interleavings
@@ -206,6 +206,71 @@ class RefSegments(_Ref):
         return b
 
 
+class RefLRU2(_Ref):
+    """LRU-2: rank = the tick of the key's use before this release (0: none remembered),
+    capped at the parent's; victim = min (level, rank, push order), or min (level, push
+    order) while the LRU shadow held more sampled keys. The shadows: a list in LRU order and
+    a dict of (rank, push order), each trimmed to the pool over the sampling rate after a
+    release; `bkey(data)` is the block's key, which decides the sampling."""
+
+    def __init__(self, capacity, key, name, params):
+        super().__init__(capacity, key)
+        self.hist: dict = {}  # key -> (tick of its last use,)
+        self.hcap = max(1, int(params.history_ratio * capacity))
+        self.clock = 0
+        self.sampling = params.shadow_sampling
+        self.scap = max(1, capacity // self.sampling) if self.sampling else 0
+        self.s_lru: list = []
+        self.s_lru2: dict = {}
+        self.s_order = 0
+        self.hits = [0, 0]
+        self.halve_at = self.hcap
+        self.use_lru2 = True
+        self.bkey = None
+
+    def release(self, blocks, level):
+        ranks = []
+        for b in reversed(blocks):  # shallowest first
+            self.clock += 1
+            k = self.key(b)
+            ranks.append(min([self.hist[k][0] if k in self.hist else 0] + ranks[-1:]))
+            self.hist[k] = (self.clock,)
+        self._prune(self.hist, self.clock, self.hcap)
+        if self.sampling:
+            for b, r in zip(blocks, reversed(ranks)):  # deepest first
+                k = self.key(b)
+                if self.bkey(k) % 65521 % self.sampling:
+                    continue
+                if k in self.s_lru:
+                    self.hits[0] += 1
+                    self.s_lru.remove(k)
+                self.s_lru.append(k)
+                self.hits[1] += k in self.s_lru2
+                self.s_order += 1
+                self.s_lru2[k] = (r, self.s_order)
+            del self.s_lru[:max(0, len(self.s_lru) - self.scap)]
+            while len(self.s_lru2) > self.scap:
+                del self.s_lru2[min(self.s_lru2, key=self.s_lru2.__getitem__)]
+            while self.clock >= self.halve_at:
+                self.hits = [h // 2 for h in self.hits]
+                self.halve_at += self.hcap
+            self.use_lru2 = self.hits[1] >= self.hits[0]
+        for b, r in zip(blocks, reversed(ranks)):
+            self._push(b, level, rank=r)
+
+    def victim(self):
+        def order(b):
+            s = self.free[b]
+            return (s["level"], s["rank"] if self.use_lru2 else 0, s["pushed"])
+        b = min(self.free, key=order)
+        del self.free[b]
+        return b
+
+
+_REFS = {"predictive": RefScored, "gdsf": RefScored, "slru": RefSegments,
+         "s3fifo": RefSegments, "lru2": RefLRU2}
+
+
 class RefCache:
     """Cache mode without partial reuse, done the obvious way, evicting by a reference policy.
     Returns per request the data of its victims, in order."""
@@ -214,9 +279,10 @@ class RefCache:
         self.tpb, self.n = tpb, n
         self.data: list = [None] * n
         key = self.data.__getitem__
-        self.policy = (RefScored if name in ("predictive", "gdsf") else RefSegments)(
-            n, key, name, params)
+        self.policy = _REFS[name](n, key, name, params)
         self.admission = admission
+        self.bkeys: dict = {}  # data -> block key
+        self.policy.bkey = self.bkeys.__getitem__
         self.admitted: dict = {}  # second_use: data -> (clock of its last release,)
         self.admit_clock = 0
 
@@ -245,6 +311,8 @@ class RefCache:
                 pol.new_data(b)
             blocks.append(b)
         computed = set()
+        for j, k in enumerate(r.block_keys(tpb)):
+            self.bkeys[toks[:(j + 1) * tpb]] = k
         for j in range(m, L // tpb):
             want = toks[:(j + 1) * tpb]
             if want not in stored:
@@ -308,6 +376,8 @@ _PARAMS = {
                       history_ratio=st.sampled_from([0.5, 8.0])),
     "s3fifo": st.builds(S3FIFOParams, small_ratio=st.sampled_from([0.1, 0.3, 0.6]),
                         max_freq=st.integers(1, 3), history_ratio=st.sampled_from([0.5, 1.0])),
+    "lru2": st.builds(LRU2Params, history_ratio=st.sampled_from([0.25, 1.0, 8.0]),
+                      shadow_sampling=st.sampled_from([0, 1, 2, 8])),
 }
 
 
@@ -343,6 +413,7 @@ def test_policy_matches_brute_force_reference(name, admission):
             m.commit(seq, r.input_length)
             m.release(seq)
             assert m._check_sanity()
+            assert getattr(logged.inner, "_check_sanity", lambda: True)()
             want = ref.process(r)
             got, logged.log = logged.log, []
             assert got == want, f"request {i}: victims differ"
@@ -502,3 +573,64 @@ def test_second_use_admission_caches_a_prefix_computed_twice(admission, reused):
         m.release(seq)
         assert m._check_sanity()
     assert got == reused
+
+
+@pytest.mark.parametrize("name,victims", [("lru", [(1, 2), (3, 4)]),
+                                          ("lru2", [(3, 4), (5, 6)])])
+def test_lru2_evicts_once_used_data_first(name, victims):
+    """X X Y Z W V in a pool of 4 blocks of 2 tokens (each prompt one full block and a partial
+    one): LRU evicts X, used twice but least recently; LRU-2 keeps it and evicts the once-used
+    Y, then Z, oldest first."""
+    m = KVCacheManager(CacheSpec(2, 4, enable_partial_reuse=False, eviction_policy=name))
+    m.enable_sanity_tracking()
+    logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
+    for toks in ([1, 2, 9], [1, 2, 9], [3, 4, 9], [5, 6, 9], [7, 8, 9], [10, 11, 9]):
+        r = req(toks)
+        seq = m.add_sequence(r)
+        assert m.resize(seq, r.input_length)
+        m.commit(seq, r.input_length)
+        m.release(seq)
+        assert m._check_sanity()
+        assert getattr(logged.inner, "_check_sanity", lambda: True)()
+    assert logged.log == victims
+
+
+def _sessions(groups, users, turns):
+    """`groups` waves of `users` concurrent sessions of `turns` turns, round robin; each turn
+    extends the session's previous prompt by one block of 2 tokens (then a partial block)."""
+    out = []
+    for g in range(groups):
+        for t in range(turns):
+            for u in range(users):
+                s = g * users + u
+                out.append([1000 * s + j + 1 for j in range(2 * (t + 2))] + [9])
+    return out
+
+
+def test_lru2_shadows_fall_back_to_lru_when_it_holds_more():
+    """Short sessions: a turn's new block is once-used until the next turn, and the prefixes of
+    finished sessions (used twice) hold on under LRU-2. The LRU shadow sees more hits, so the
+    pool evicts LRU for a while: victims as the reference's, and more hits than LRU-2 alone."""
+    prompts = _sessions(6, 4, 3)
+    hits = {}
+    for sampling in (0, 1):
+        params = LRU2Params(history_ratio=8.0, shadow_sampling=sampling)
+        m = KVCacheManager(CacheSpec(2, 16, enable_partial_reuse=False, eviction_policy="lru2",
+                                     policy_params=params))
+        m.enable_sanity_tracking()
+        logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
+        ref = RefCache(2, 16, "lru2", params)
+        hits[sampling] = lru_requests = 0
+        for toks in prompts:
+            r = req(toks)
+            seq = m.add_sequence(r)
+            hits[sampling] += seq.reused_full_blocks
+            assert m.resize(seq, r.input_length)
+            m.commit(seq, r.input_length)
+            m.release(seq)
+            assert m._check_sanity() and logged.inner._check_sanity()
+            assert logged.log == ref.process(r)
+            logged.log = []
+            lru_requests += not logged.inner.use_lru2
+        assert (lru_requests > 0) == (sampling > 0)
+    assert hits[1] > hits[0]

@@ -15,6 +15,7 @@ from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import KeyHistory
 from .gdsf import GDSFParams, GDSFPolicy
+from .lru2 import LRU2Params, LRU2Policy
 from .predictive import PredictiveParams, PredictivePolicy
 from .segments import S3FIFOParams, S3FIFOPolicy, SLRUParams, SLRUPolicy
 
@@ -23,6 +24,7 @@ POLICIES: dict[str, tuple[type, type]] = {
     "s3fifo": (S3FIFOPolicy, S3FIFOParams),
     "gdsf": (GDSFPolicy, GDSFParams),
     "predictive": (PredictivePolicy, PredictiveParams),
+    "lru2": (LRU2Policy, LRU2Params),
 }
 """name -> (policy class, parameters dataclass); `lru` is not here: it is the plain FreeQueue."""
 

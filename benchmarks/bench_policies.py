@@ -9,7 +9,11 @@ claims or allocates).
 
 Usage: python benchmarks/bench_policies.py [--traces conversation,synthetic]
        [--capacities 1048576,262144] [--policies lru,slru,...] [--admission second_use]
-       [--no-partial] [--markdown]
+       [--tpb 64] [--no-partial] [--markdown]
+A trace `gen:GENERATOR:USERS` is the built-in generator's traffic instead (4000 requests, 6
+turns, 512-token messages after a 1024-token system prompt; GENERATOR multi_turn or
+shared_prefix), a different sharing structure to check a policy does not lose to LRU there,
+e.g. --traces gen:multi_turn:40,gen:multi_turn:400 --tpb 32 --capacities 131072,32768.
 The LRU reference is always LRU with admission `all` (run first when --admission is another).
 Timings on a shared machine are noisy: compare policies from the same invocation. The first
 line states the machine and its load (the 1-minute load average before and after the replays);
@@ -26,10 +30,11 @@ import time
 from pathlib import Path
 
 from kvbench.cache.manager import CacheSpec, KVCacheManager
+from kvbench.config_requests import RequestsConfig
 from kvbench.cache.policies import POLICY_NAMES
 from kvbench.engine.cache_mode import replay_cache_mode
 from kvbench.oracle import reference_hit_rates
-from kvbench.traffic import read_mooncake
+from kvbench.traffic import load_requests, read_mooncake
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -50,7 +55,7 @@ def main() -> None:
     print(("| " + " | ".join(head.split()) + " |\n|" + "---|" * len(head.split()))
           if args.markdown else head)
     for trace in args.traces.split(","):
-        requests = list(read_mooncake(TRACES / f"mooncake_{trace}_trace.jsonl"))
+        requests = _requests(trace)
         for cap in (int(c) for c in args.capacities.split(",")):
             blocks = cap // args.tpb
             optimal = reference_hit_rates(requests, args.tpb, blocks,
@@ -96,6 +101,16 @@ def _machine() -> str:
     except (OSError, StopIteration):
         pass
     return f"{model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
+def _requests(trace: str) -> list:
+    if not trace.startswith("gen:"):
+        return list(read_mooncake(TRACES / f"mooncake_{trace}_trace.jsonl"))
+    _, generator, users = trace.split(":")
+    cfg = RequestsConfig(source="synthetic", synthetic=dict(
+        generator=generator, num_requests=4000, num_users=int(users), turns=6,
+        prompt_tokens=512, system_prompt_tokens=1024, output_tokens=256, rate=8.0))
+    return load_requests(cfg, base_dir=Path("."), seed=0)
 
 
 if __name__ == "__main__":

@@ -364,6 +364,18 @@ class LoggedQueue:
         return getattr(self.inner, name)
 
 
+def _replay(m, logged, r) -> int:
+    """One cache-mode request through manager `m` whose policy `logged` wraps, checking the
+    manager's and the policy's invariants after it; returns the blocks it reused."""
+    seq = m.add_sequence(r)
+    assert m.resize(seq, r.input_length)
+    m.commit(seq, r.input_length)
+    m.release(seq)
+    assert m._check_sanity()
+    assert getattr(logged.inner, "_check_sanity", lambda: True)()
+    return seq.reused_full_blocks
+
+
 _PARAMS = {
     "predictive": st.builds(PredictiveParams, horizon_ratio=st.sampled_from([0.5, 2.0, 16.0]),
                             boost=st.sampled_from([0.0, 1.0, 4.0]),
@@ -408,12 +420,7 @@ def test_policy_matches_brute_force_reference(name, admission):
         logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
         ref = RefCache(tpb, blocks, name, params, admission)
         for i, r in enumerate(requests):
-            seq = m.add_sequence(r)
-            assert m.resize(seq, r.input_length)
-            m.commit(seq, r.input_length)
-            m.release(seq)
-            assert m._check_sanity()
-            assert getattr(logged.inner, "_check_sanity", lambda: True)()
+            _replay(m, logged, r)
             want = ref.process(r)
             got, logged.log = logged.log, []
             assert got == want, f"request {i}: victims differ"
@@ -585,13 +592,7 @@ def test_lru2_evicts_once_used_data_first(name, victims):
     m.enable_sanity_tracking()
     logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
     for toks in ([1, 2, 9], [1, 2, 9], [3, 4, 9], [5, 6, 9], [7, 8, 9], [10, 11, 9]):
-        r = req(toks)
-        seq = m.add_sequence(r)
-        assert m.resize(seq, r.input_length)
-        m.commit(seq, r.input_length)
-        m.release(seq)
-        assert m._check_sanity()
-        assert getattr(logged.inner, "_check_sanity", lambda: True)()
+        _replay(m, logged, req(toks))
     assert logged.log == victims
 
 
@@ -623,12 +624,7 @@ def test_lru2_shadows_fall_back_to_lru_when_it_holds_more():
         hits[sampling] = lru_requests = 0
         for toks in prompts:
             r = req(toks)
-            seq = m.add_sequence(r)
-            hits[sampling] += seq.reused_full_blocks
-            assert m.resize(seq, r.input_length)
-            m.commit(seq, r.input_length)
-            m.release(seq)
-            assert m._check_sanity() and logged.inner._check_sanity()
+            hits[sampling] += _replay(m, logged, r)
             assert logged.log == ref.process(r)
             logged.log = []
             lru_requests += not logged.inner.use_lru2

@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 from kvbench.cache.manager import CacheSpec, KVCacheManager
-from kvbench.config_requests import RequestsConfig
 from kvbench.cache.policies import POLICY_NAMES
+from kvbench.config_requests import RequestsConfig
 from kvbench.engine.cache_mode import replay_cache_mode
 from kvbench.oracle import reference_hit_rates
 from kvbench.traffic import load_requests, read_mooncake

@@ -131,14 +131,24 @@ class LRU2Policy:
         one, capped at its parent's."""
         if not blocks:
             return
-        hist = self.history
-        keys, earlier = hist.lookup_chain(self.index.stored, blocks)
+        hist, stored = self.history, self.index.stored
+        m = hist.map
+        get = m.get
         clock = hist.clock
         n = len(blocks)
         ranks = [0] * n  # deepest first, as `blocks`
+        keys = []  # shallowest first
+        add_key = keys.append
         cap = 1 << 62
         i = n
-        for seen in earlier:  # shallowest first
+        # Shallowest first, as the sequence touched them; keys in a chain are distinct, so
+        # each key's earlier use is read before this release writes its own.
+        for b in reversed(blocks):
+            key = stored[b][0]
+            add_key(key)
+            clock += 1
+            seen = get(key)
+            m[key] = clock << 8
             i -= 1
             if seen is None:
                 cap = 0
@@ -147,7 +157,9 @@ class LRU2Policy:
                 if r < cap:
                     cap = r
             ranks[i] = cap
-        hist.record_chain(keys, range((clock + 1) << 8, (clock + n + 1) << 8, 256), clock + n)
+        m.pop(None, None)  # a partial block's: never remembered
+        hist.clock = clock
+        hist.settle()
         if self._shadow_cap:
             self._shadow(keys, ranks)
         self._push_ranked(blocks, ranks, priority)

@@ -11,7 +11,7 @@ from .modes.common import ProgressFactory
 from .modes.serve import run_serve
 from .plan import check_memory, check_supported, gib, is_windowed, plan_run, where
 from .results import RunOutcome
-from .traffic import Request, load_traffic, open_trace, trace_options, trace_path
+from .traffic import RequestList, load_traffic, open_trace, trace_options, trace_path
 from .traffic.decoding import apply_decoding
 from .traffic.spill import NotSpillable, SpilledTrace
 from .traffic.tracefile import warn
@@ -51,7 +51,7 @@ def _variants(workload: Workload):
     """(name, run plan, requests) of each variant, checked: the requests fit the cache and
     what the run will allocate fits this machine's memory (`plan.plan_run`). Streamed traces
     are closed when the caller is done with them."""
-    loaded: dict[str, list[Request] | SpilledTrace] = {}
+    loaded: dict[str, RequestList | SpilledTrace] = {}
     try:
         for name, wl in workload.variant_workloads():
             check_supported(wl)
@@ -61,6 +61,7 @@ def _variants(workload: Workload):
             if requests is None:
                 requests = loaded[source_key] = _load(wl, stream)
             yield name, plan_run(wl, requests), requests
+            requests.end_pass()
     finally:
         for requests in loaded.values():
             if isinstance(requests, SpilledTrace):
@@ -80,7 +81,7 @@ def _synthetic_bytes(requests_cfg) -> int:
     return int(8 * (n * per_request + s.num_users * (s.system_prompt_tokens + s.prompt_tokens)))
 
 
-def load_workload_requests(wl: Workload) -> list[Request]:
+def load_workload_requests(wl: Workload) -> RequestList:
     """The request stream a run of `wl` replays."""
     return _load(wl)
 
@@ -96,7 +97,7 @@ def _streamable(wl: Workload) -> bool:
             and not r.encoder.tokens)
 
 
-def _load(wl: Workload, stream: bool = False) -> list[Request] | SpilledTrace:
+def _load(wl: Workload, stream: bool = False) -> RequestList | SpilledTrace:
     if wl.requests.source == "synthetic":
         check_memory(wl, _synthetic_bytes(wl.requests), "the synthetic requests' tokens",
                       "lower requests.synthetic.num_requests, num_users or the token counts")

@@ -154,7 +154,8 @@ def test_runner_streams_traces_with_the_same_results(samples, capsys, monkeypatc
     in_memory = run_metrics(path, capsys, "cache.max_tokens=4096")
     assert streamed == in_memory
     # token_ids prompts are explicit tokens: no spill, the trace is read again into memory.
-    assert loads == (["list", "list"] if fmt == "token_ids" else ["SpilledTrace", "list"])
+    assert loads == (["RequestList", "RequestList"] if fmt == "token_ids"
+                     else ["SpilledTrace", "RequestList"])
 
 
 def test_runner_falls_back_for_remapped_ids(tmp_path, capsys, samples):

@@ -377,3 +377,33 @@ def test_trace_stats_token_requests():
         Request(2, 2.0, 250, 1, tokens=np.concatenate([a[:150], a[:100] + 1000])),
     ]
     assert trace_stats(reqs, block_sizes=(100,))["ideal_hit_rate"][100] == (200 + 100) / 850
+
+
+def test_each_run_forgets_the_memos_of_the_requests_it_used(monkeypatch, tmp_path):
+    """The loaded request list outlives a variant's run (the next variant reuses it) and
+    forgets its requests' memoised keys when each run is done (`RequestList.end_pass`)."""
+    import kvbench.runner as runner
+    from kvbench.config import load_workload
+    from kvbench.traffic import RequestList
+
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        "cache: {tokens_per_block: 16, max_tokens: 4096}\n"
+        "requests: {source: synthetic, synthetic: {generator: shared_prefix, num_requests: 30,"
+        " system_prompt_tokens: 64, prompt_tokens: 32, num_users: 4}}\n"
+        "run: {mode: cache, progress: false}\n"
+        "variants: [{name: a, set: {}}, {name: b, set: {cache.tokens_per_block: 32}}]\n")
+    seen = []
+    real = runner.run_cache
+
+    def spy(name, plan, requests, progress):
+        out = real(name, plan, requests, progress)
+        seen.append((requests, sorted({tpb for r in requests for tpb in r._keys})))
+        return out
+
+    monkeypatch.setattr(runner, "run_cache", spy)
+    runner.run_workload(load_workload(path))
+    (first, keys_a), (second, keys_b) = seen
+    assert first is second and isinstance(first, RequestList)
+    assert keys_a == [16] and keys_b == [32]  # a's memos were gone before b ran
+    assert not any(r._keys or r._firsts for r in first)

@@ -44,9 +44,6 @@ def run_cache(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
     hit = result.reused_tokens / result.prompt_tokens
     lru = hit if _is_lru(wl) else _lru_reference(wl, requests)
     wall = time.perf_counter() - t0
-    if not streamed:  # a streamed trace's requests are gone already
-        for r in requests:
-            r.drop_keys()
     metrics = {
         **cache_metrics(wl, manager, requests, result.reused_tokens, result.reused_tokens_host,
                         result.reused_partial_tokens),

@@ -58,9 +58,6 @@ def run_serve(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
     ideal = ideal_hit_rate(requests, plan, serve=True)
     done(1)
     wall = time.perf_counter() - t0
-    if not streamed:  # a streamed trace's requests are gone already
-        for r in requests:
-            r.drop_keys()
     metrics = _serve_metrics(wl, manager, requests, result, ideal, wall, clock.time_source)
     if speculation is not None:
         metrics.update(speculation.metrics())

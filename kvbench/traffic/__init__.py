@@ -11,18 +11,18 @@ from kvbench.errors import InputError, TraceWarning
 from kvbench.metrics import percentile_summary
 from kvbench.traffic.formats import FORMATS, open_trace, sniff
 from kvbench.traffic.mooncake import read_mooncake
-from kvbench.traffic.request import Request
+from kvbench.traffic.request import Request, RequestList
 from kvbench.traffic.synthetic import generate
 from kvbench.traffic.tracefile import SessionStart, TraceOptions, TraceReader
 
-__all__ = ["FORMATS", "Request", "TraceOptions", "TraceReader", "TraceWarning", "generate",
+__all__ = ["FORMATS", "Request", "RequestList", "TraceOptions", "TraceReader", "TraceWarning", "generate",
            "describe_source", "load_requests", "open_trace", "read_mooncake", "sniff", "trace_options",
            "trace_stats"]
 
 DEFAULT_STATS_BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
 
 
-def load_requests(requests_cfg, *, base_dir: Path, seed: int) -> list[Request]:
+def load_requests(requests_cfg, *, base_dir: Path, seed: int) -> RequestList:
     """The request stream of a workload's `requests` section, in arrival order.
 
     A relative trace path is taken relative to `base_dir` (the workload file's folder).
@@ -31,7 +31,7 @@ def load_requests(requests_cfg, *, base_dir: Path, seed: int) -> list[Request]:
 
 
 def load_traffic(requests_cfg, *, base_dir: Path, seed: int
-                 ) -> tuple[list[Request], TraceReader | None]:
+                 ) -> tuple[RequestList, TraceReader | None]:
     """`load_requests` and, for a trace, the reader that read it (its block size and
     convention); None for synthetic traffic. `requests.skip` drops the first requests (the
     rest's arrivals shifted to start at 0) before `requests.limit` counts."""
@@ -51,11 +51,11 @@ def load_traffic(requests_cfg, *, base_dir: Path, seed: int
 
 
 def _load_all(requests_cfg, *, base_dir: Path, seed: int
-              ) -> tuple[list[Request], TraceReader | None]:
+              ) -> tuple[RequestList, TraceReader | None]:
     limit = requests_cfg.limit
     time_scale = requests_cfg.time_scale
     if requests_cfg.source == "synthetic":
-        requests = generate(requests_cfg.synthetic, seed)
+        requests = RequestList(generate(requests_cfg.synthetic, seed))
         if limit is not None:
             del requests[limit:]
         for r in requests:
@@ -64,7 +64,7 @@ def _load_all(requests_cfg, *, base_dir: Path, seed: int
     if requests_cfg.source == "trace":
         reader = open_trace(trace_path(requests_cfg, base_dir), requests_cfg.format,
                             trace_options(requests_cfg, seed))
-        return list(reader), reader
+        return RequestList(reader), reader
     raise InputError(f"requests.source: unknown source {requests_cfg.source!r}")
 
 

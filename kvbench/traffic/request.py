@@ -226,6 +226,20 @@ class Request:
         return keys
 
 
+class RequestList(list):
+    """A request stream held in memory. Its requests memoise their block keys, first tokens
+    and retentions per block size while a run uses them; a run over the whole stream ends
+    with `end_pass`, which forgets them: the list outlives the run (variants that leave the
+    requests alone reuse it), and its memos must not."""
+
+    __slots__ = ()
+
+    def end_pass(self) -> None:
+        """A run over the stream is done: forget every request's memoised keys."""
+        for r in self:
+            r.drop_keys()
+
+
 class StreamView:
     """A request's stream seen as a prompt of `input_length` tokens (its prompt, or after a
     preemption its prompt and the tokens generated so far), in the interface the cache reads

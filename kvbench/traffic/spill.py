@@ -130,5 +130,9 @@ class SpilledTrace:
                 yield chunk[stop - n:stop]
                 stop -= n
 
+    def end_pass(self) -> None:
+        """A run over the stream is done: nothing to forget, each pass makes its Request
+        objects afresh and their memoised keys go with them."""
+
     def close(self) -> None:
         self._dir.cleanup()

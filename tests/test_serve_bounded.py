@@ -53,7 +53,7 @@ def test_serve_streamed_equals_loaded(samples, capsys, monkeypatch, fmt, sets):
     streamed = run_metrics(path, capsys, *sets)
     monkeypatch.setattr(runner, "_streamable", lambda wl: False)
     loaded = run_metrics(path, capsys, *sets)
-    assert loads == ["SpilledTrace", "list"]
+    assert loads == ["SpilledTrace", "RequestList"]
     assert streamed == loaded
     assert streamed["requests"] == 24 and streamed["ttft_ms"]["p50"] > 0
 

@@ -385,3 +385,49 @@ def test_sequence_tokens_appends_generated_tokens():
     unknown = Request(2, 0.0, 6, 3, tokens=prompt)
     tail = sequence_tokens(unknown, 9)[6:]
     assert (tail < 0).all() and len(set(tail.tolist())) == 3
+
+
+def test_paged_batch_tables_equal_a_per_item_recomputation():
+    """The vectorised PagedBatch (pages expanded per layer on the device, one upload) gives
+    the tables a plain per-item, per-layer loop gives, scratch pages and windows included."""
+    from kvbench.kernels.model import table_rows
+
+    dp = plane(PoolSpec(layers=(0, 1, 2), num_gpu_slots=16, num_scratch_slots=2, window=6))
+    pool = dp.pools[0]
+    a, b, c = tokens(40, 1), tokens(40, 2), tokens(40, 3)
+    items = [StepItem(1, a, [3, 7, 1, 9], 13, 14, first_block=1),
+             StepItem(2, b, [4, 5, 6], 5, 9, scratch={1: 16 * 3 + 1}),
+             StepItem(3, c, [10, 11], 6, 7)]
+    batch = PagedBatch(items, pool, TPB, torch.device("cpu"), decode=False)
+    want_pages = [[] for _ in range(3)]
+    want_write, want_slot, want_pos, want_tok = [[] for _ in range(3)], [], [], []
+    base = 0
+    for it in items:
+        npages = -(-(it.end - it.first_block * TPB) // TPB)
+        for layer in range(3):
+            for r in range(npages):
+                index = it.first_block + r
+                scratch = (it.scratch or {}).get(index)
+                want_pages[layer].append(scratch if scratch is not None
+                                         else it.blocks[r] * 3 + layer)
+        for p in range(it.start, it.end):
+            rel = p - it.first_block * TPB
+            for layer in range(3):
+                want_write[layer].append(want_pages[layer][base + rel // TPB])
+            want_slot.append(rel % TPB)
+            want_pos.append(p)
+            want_tok.append(int(it.tokens[p]))
+        base += npages
+    assert batch.pages_dev.tolist() == want_pages
+    assert batch.write_page.tolist() == want_write
+    assert batch.write_slot.tolist() == want_slot
+    assert batch.new_positions.tolist() == want_pos
+    assert batch.new_tokens.tolist() == want_tok
+    assert torch.equal(batch.rows, torch.from_numpy(table_rows(np.array(want_tok),
+                                                               np.array(want_pos))))
+    assert batch.kv_indptr.tolist() == [0, 3, 6, 8]
+    assert batch.last_page_len.tolist() == [2, 1, 3]
+    # Decode items (one token each) take the same tables through the decode path.
+    dec = PagedBatch(items[:1] + items[2:], pool, TPB, torch.device("cpu"), decode=True)
+    assert dec.new_tokens.tolist() == [int(a[13]), int(c[6])]
+    assert dec.pages_dev[:, 3:].tolist() == [p[6:] for p in want_pages]

@@ -17,10 +17,13 @@ both read the same keys.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import chain, islice
 
 import numpy as np
 import torch
 
+from .model import table_rows
+from .staging import to_device
 from .step import StepItem
 from .storage import PoolTensors
 
@@ -37,22 +40,6 @@ def tile_bytes(device: torch.device) -> int:
     return TILE_BYTES_CUDA if device.type == "cuda" else TILE_BYTES
 
 
-def to_device(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """int64 arrays on `device` in one host-to-device copy (pinned, asynchronous on CUDA, so
-    the host does not wait for the GPU to drain the work queued before it)."""
-    if device.type != "cuda":
-        return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
-    sizes = [a.size for a in arrays]
-    flat = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]) \
-        if arrays else np.zeros(0, np.int64)
-    dev = torch.from_numpy(flat).pin_memory().to(device, non_blocking=True)
-    out, o = [], 0
-    for a, n in zip(arrays, sizes):
-        out.append(dev[o:o + n].view(a.shape))
-        o += n
-    return out
-
-
 class PagedBatch:
     """One pool's items of one kind (context or decode) in a step, as page tables."""
 
@@ -63,89 +50,95 @@ class PagedBatch:
         "items", "pool", "window", "decode", "tpb", "num_layers", "kv_start", "kv_len",
         "qo_indptr", "kv_indptr", "last_page_len", "pages", "scratch_mask", "has_scratch",
         "new_positions", "new_tokens", "tok_batch", "tok_rel", "tok_page", "device",
-        "pages_dev", "write_page", "write_slot",
+        "pages_dev", "write_page", "write_slot", "rows",
     )
 
     def __init__(self, items: Sequence[StepItem], pool: PoolTensors, tokens_per_block: int,
                  device: torch.device, *, decode: bool) -> None:
+        # Per item only what reads its Python fields; the rest is vectorised, and the
+        # device gets everything (pages, write positions, table rows) in one copy.
         tpb = tokens_per_block
         spec = pool.spec
         num_layers = pool.num_layers
-        self.items = list(items)
+        self.items = items = list(items)
         self.pool = pool
-        self.window = spec.window
+        self.window = window = spec.window
         self.decode = decode
         self.tpb = tpb
         self.num_layers = num_layers
-        n = len(self.items)
-        kv_start = np.zeros(n, np.int64)
-        kv_len = np.zeros(n, np.int64)
-        qo_indptr = np.zeros(n + 1, np.int64)
-        kv_indptr = np.zeros(n + 1, np.int64)
-        pages: list[np.ndarray] = []
-        masks: list[np.ndarray] = []
-        for i, it in enumerate(self.items):
-            kv_start[i] = it.first_block * tpb
-            needed = max(0, it.start - spec.window + 1) if spec.window else 0
-            if kv_start[i] > needed:
+        n = len(items)
+        starts = np.fromiter((it.start for it in items), np.int64, n)
+        ends = np.fromiter((it.end for it in items), np.int64, n)
+        kv_start = np.fromiter((it.first_block for it in items), np.int64, n) * tpb
+        needed = np.maximum(0, starts - window + 1) if window else np.zeros(n, np.int64)
+        kv_len = ends - kv_start
+        npages = -(-kv_len // tpb)
+        for i in np.flatnonzero((kv_start > needed)
+                                | (np.fromiter(map(len, (it.blocks for it in items)), np.int64,
+                                               n) < npages))[:1]:
+            it = items[i]
+            if kv_start[i] > needed[i]:
                 raise ValueError(
                     f"request {it.request_id}: page table starts at block {it.first_block} but "
-                    f"the step's queries need position {needed} (block {needed // tpb})")
-            kv_len[i] = it.end - kv_start[i]
-            npages = -(-int(kv_len[i]) // tpb)
-            if len(it.blocks) < npages:
-                raise ValueError(
-                    f"request {it.request_id}: page table has {len(it.blocks)} blocks from "
-                    f"block {it.first_block}, positions up to {it.end - 1} need {npages}")
-            blocks = np.asarray(it.blocks[:npages], dtype=np.int64)
-            p = blocks * num_layers
-            mask = np.zeros(npages, bool)
-            for index, page in (it.scratch or {}).items():
-                r = index - it.first_block
-                if 0 <= r < npages:
-                    p[r] = page
-                    mask[r] = True
-            bad = ~mask & ((blocks < 0) | (blocks >= spec.num_gpu_slots))
-            if bad.any():
-                raise ValueError(f"request {it.request_id}: page table names GPU block "
-                                 f"{blocks[bad][0]}, outside the pool")
-            pages.append(p)
-            masks.append(mask)
-            qo_indptr[i + 1] = qo_indptr[i] + it.end - it.start
-            kv_indptr[i + 1] = kv_indptr[i] + npages
+                    f"the step's queries need position {needed[i]} (block {needed[i] // tpb})")
+            raise ValueError(
+                f"request {it.request_id}: page table has {len(it.blocks)} blocks from "
+                f"block {it.first_block}, positions up to {it.end - 1} need {npages[i]}")
+        kv_indptr = np.zeros(n + 1, np.int64)
+        np.cumsum(npages, out=kv_indptr[1:])
+        counts = ends - starts
+        qo_indptr = np.zeros(n + 1, np.int64)
+        np.cumsum(counts, out=qo_indptr[1:])
+        total = int(kv_indptr[-1])
+        blocks = np.fromiter(chain.from_iterable(
+            islice(it.blocks, int(k)) for it, k in zip(items, npages)), np.int64, total)
+        pages = blocks * num_layers
+        mask = np.zeros(total, bool)
+        for i, it in enumerate(items):
+            if it.scratch:
+                for index, page in it.scratch.items():
+                    r = index - it.first_block
+                    if 0 <= r < npages[i]:
+                        pages[kv_indptr[i] + r] = page
+                        mask[kv_indptr[i] + r] = True
+        bad = ~mask & ((blocks < 0) | (blocks >= spec.num_gpu_slots))
+        if bad.any():
+            j = int(np.argmax(bad))
+            it = items[int(np.searchsorted(kv_indptr, j, side="right")) - 1]
+            raise ValueError(f"request {it.request_id}: page table names GPU block "
+                             f"{blocks[j]}, outside the pool")
         self.kv_start = kv_start
         self.kv_len = kv_len
         self.qo_indptr = qo_indptr
         self.kv_indptr = kv_indptr
-        self.last_page_len = kv_len - (np.diff(kv_indptr) - 1) * tpb
-        self.pages = np.concatenate(pages) if pages else np.zeros(0, np.int64)
-        mask = np.concatenate(masks) if masks else np.zeros(0, bool)
+        self.last_page_len = kv_len - (npages - 1) * tpb
+        self.pages = pages
         self.scratch_mask = mask
-        self.has_scratch = bool(mask.any())
+        self.has_scratch = has_scratch = bool(mask.any())
         total_pages = spec.num_gpu_slots + spec.num_scratch_slots
-        if self.has_scratch and not (
-                (self.pages[mask] >= 0) & (self.pages[mask] < total_pages * num_layers)).all():
+        if has_scratch and not (
+                (pages[mask] >= 0) & (pages[mask] < total_pages * num_layers)).all():
             raise ValueError("a scratch page lies outside the pool's GPU tensor")
         # The step's computed tokens, flattened in item order.
-        self.new_positions = np.concatenate(
-            [np.arange(it.start, it.end, dtype=np.int64) for it in self.items])
-        self.new_tokens = np.concatenate(
-            [np.asarray(it.tokens[it.start:it.end], dtype=np.int64) for it in self.items])
-        counts = np.diff(qo_indptr)
-        self.tok_batch = np.repeat(np.arange(n, dtype=np.int64), counts)
-        self.tok_rel = self.new_positions - kv_start[self.tok_batch]
-        self.tok_page = kv_indptr[self.tok_batch] + self.tok_rel // tpb
+        self.tok_batch = tok_batch = np.repeat(np.arange(n, dtype=np.int64), counts)
+        self.new_positions = positions = (np.arange(int(qo_indptr[-1]), dtype=np.int64)
+                                          + (starts - qo_indptr[:-1])[tok_batch])
+        self.new_tokens = tokens = (
+            np.fromiter((it.tokens[it.start] for it in items), np.int64, n)
+            if qo_indptr[-1] == n else np.concatenate([np.asarray(it.tokens[it.start:it.end], dtype=np.int64)
+                                 for it in items]))
+        self.tok_rel = tok_rel = positions - kv_start[tok_batch]
+        self.tok_page = tok_page = kv_indptr[tok_batch] + tok_rel // tpb
         self.device = device
-        all_pages = self.layer_pages_np()
-        self.pages_dev, self.write_page, self.write_slot = to_device(
-            [all_pages, all_pages[:, self.tok_page], np.tile(self.tok_rel % tpb, num_layers)],
-            device)
-
-    def layer_pages_np(self) -> np.ndarray:
-        """`[num_layers, pages]`: page index of every page-table entry in every layer."""
-        layers = np.arange(self.num_layers, dtype=np.int64)[:, None]
-        return np.where(self.scratch_mask[None, :], self.pages[None, :],
-                        self.pages[None, :] + layers)
+        # Layer l's page of an entry is `page + l` (a scratch page is the same in every
+        # layer): expanded on the device, from the entry's page and its step (1 or 0).
+        step = (~mask).astype(np.int64)
+        pages_d, step_d, tok_page_d, slot_d, self.rows = to_device(
+            [pages, step, tok_page, tok_rel % tpb, table_rows(tokens, positions)], device)
+        layers = _layer_range(num_layers, device)
+        self.pages_dev = pages_d + (layers * step_d if has_scratch else layers)
+        self.write_page = self.pages_dev[:, tok_page_d]
+        self.write_slot = slot_d
 
     def layer_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(qo_indptr, kv_indptr, last_page_len) of the batch repeated for every layer,
@@ -165,12 +158,10 @@ class PagedBatch:
         part = object.__new__(PagedBatch)
         for name in PagedBatch.__slots__:
             setattr(part, name, getattr(self, name))
-        n = len(self.new_tokens)
         part.num_layers = 1
         part.pages = np.where(self.scratch_mask, self.pages, self.pages + layer)
         part.pages_dev = self.pages_dev[layer:layer + 1]
         part.write_page = self.write_page[layer:layer + 1]
-        part.write_slot = self.write_slot[:n]
         return part
 
     def item_keys(self, windowed: bool) -> KeyIndex:
@@ -233,7 +224,7 @@ class CrossBatch(PagedBatch):
         self.has_scratch = False
         self.tok_batch = np.repeat(np.arange(n, dtype=np.int64), counts)
         self.new_positions = (self.kv_len - 1)[self.tok_batch]
-        self.new_tokens = None
+        self.new_tokens = self.rows = None
         self.tok_rel = self.tok_page = self.write_page = self.write_slot = None
         self.device = device
         lay = np.asarray(layers, dtype=np.int64)[:, None]
@@ -286,11 +277,21 @@ class KeyIndex:
 
 def write_kv(kv: torch.Tensor, batch: PagedBatch, new_kv: torch.Tensor) -> None:
     """Write the computed tokens' K/V of every layer (`[L, n, 2, kv_heads, head_dim]`) into
-    their pages: one scatter for the whole batch."""
-    L, n = new_kv.shape[:2]
+    their pages: one scatter for the whole batch (pages `[L, n]`, slots `[n]` broadcast)."""
     # Raw bytes: any storage type (CPU indexing has no fp8 kernels), bit for bit.
-    raw = new_kv.reshape(L * n, *new_kv.shape[2:]).view(torch.uint8)
-    kv.view(torch.uint8)[batch.write_page.view(-1), :, batch.write_slot] = raw
+    kv.view(torch.uint8)[batch.write_page, :, batch.write_slot] = new_kv.view(torch.uint8)
+
+
+_LAYER_RANGES: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _layer_range(num_layers: int, device: torch.device) -> torch.Tensor:
+    """`[[0], [1], ..., [L-1]]` on the device, made once (a copy per step would cost one)."""
+    key = (device, num_layers)
+    t = _LAYER_RANGES.get(key)
+    if t is None:
+        t = _LAYER_RANGES[key] = torch.arange(num_layers, dtype=torch.int64)[:, None].to(device)
+    return t
 
 
 def gather_keys(kv: torch.Tensor, batch: PagedBatch, keys: KeyIndex, layers: slice,

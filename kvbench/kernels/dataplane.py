@@ -199,8 +199,7 @@ class DataPlane:
         for pool, batch in self._batches(items):
             tensors = self.pools[pool]
             layers = tensors.spec.layers
-            rows = self.model.rows(batch.new_tokens, batch.new_positions)
-            new_kv, q = self.model.qkv_all(rows, layers, self._kv_dtype, self._q_dtype)
+            new_kv, q = self.model.qkv_all(batch.rows, layers, self._kv_dtype, self._q_dtype)
             if batch.has_scratch:
                 layered.append((pool, batch, new_kv, q))
             else:
@@ -319,8 +318,7 @@ class DataPlane:
         cross = self._cross_tensors()
         batch = PagedBatch(encoder, cross, self.shape.tokens_per_block, self.device,
                            decode=False)
-        rows = self.cross_model.rows(batch.new_tokens, batch.new_positions)
-        kv, _ = self.cross_model.qkv_all(rows, cross.spec.layers, self._kv_dtype, None)
+        kv, _ = self.cross_model.qkv_all(batch.rows, cross.spec.layers, self._kv_dtype, None)
         return cross.gpu, batch, kv
 
     def _cross_attention(self, pool: int, batch: PagedBatch, layers, q, buffer: int):

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .attention import PagedBatch
+from .staging import ring
 from .step import BackendUnavailable, ModelShape
 from .storage import QUERY_DTYPES, STORAGE_DTYPES
 
@@ -104,16 +105,19 @@ class FlashInferBackend:
         return w
 
     def _plan_tables(self, w, decode: bool, qo, kv_indptr, indices, last, tpb: int,
-                     window_left: int, causal: bool = True) -> None:
+                     window_left: int, causal: bool = True, seq_lens=None,
+                     max_q: int | None = None, max_kv: int | None = None) -> None:
         s = self.shape
         if decode:
             w.plan(kv_indptr, indices, last, s.num_q_heads, s.num_kv_heads, s.head_dim, tpb,
                    pos_encoding_mode="NONE", window_left=window_left,
-                   q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, non_blocking=True)
+                   q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, non_blocking=True,
+                   seq_lens=seq_lens)
         else:
             w.plan(qo, kv_indptr, indices, last, s.num_q_heads, s.num_kv_heads, s.head_dim,
                    tpb, causal=causal, window_left=window_left, q_data_type=self.q_dtype,
-                   kv_data_type=self.kv_dtype, non_blocking=True)
+                   kv_data_type=self.kv_dtype, non_blocking=True, seq_lens=seq_lens,
+                   max_token_per_sequence=max_q, max_sequence_kv=max_kv)
 
     def plan(self, pool: int, batch: PagedBatch, buffer: int = 0):
         """One plan for every layer of the batch: entry `l * n + i` is item `i` at layer `l`
@@ -121,15 +125,21 @@ class FlashInferBackend:
         same in every layer). `buffer` picks one of the wrapper sets that consecutive steps
         alternate between; `pool` is the decoder pool's, for a cross batch too. Returns the
         planned wrapper, for `run`."""
-        # Pinned: FlashInfer copies them to the GPU, which from pageable memory would make
-        # the host wait.
-        qo, kv_indptr, last = (torch.from_numpy(a.astype(np.int32)).pin_memory()
-                               for a in batch.layer_tables())
+        # The host tables sit in the pinned staging ring: FlashInfer reads them on the host
+        # and copies them to the GPU, which from pageable memory would make the host wait.
+        # Passing the sequence lengths and maxima spares it recomputing them.
+        qo, kv_indptr, last = batch.layer_tables()
+        lens = np.tile(batch.kv_len, batch.num_layers)
+        staging = ring(self.device)
+        slot, _, (qo, kv_indptr, last, lens) = staging.stage([qo, kv_indptr, last, lens],
+                                                             np.int32)
         indices = batch.pages_dev.view(-1).to(torch.int32)
         window_left = batch.window - 1 if batch.window is not None else -1
         w = self._wrapper(pool, batch.decode, buffer, batch.causal)
         self._plan_tables(w, batch.decode, qo, kv_indptr, indices, last, batch.tpb, window_left,
-                          batch.causal)
+                          batch.causal, lens, int(np.diff(batch.qo_indptr).max()),
+                          int(batch.kv_len.max()))
+        staging.release(slot)
         return w
 
     def run(self, kv: torch.Tensor, batch: PagedBatch, q: torch.Tensor, plan) -> torch.Tensor:

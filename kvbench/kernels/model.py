@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .attention import to_device
+from .staging import to_device
 from .step import ModelShape
 
 TABLE_ROWS = 1024
@@ -48,11 +48,23 @@ def _rows(x: np.ndarray, salt: int) -> np.ndarray:
     return rows.astype(np.int64)
 
 
+_TABLE_OFFSETS = (np.arange(4, dtype=np.int64) * TABLE_ROWS)[:, None]
+
+
+def table_rows(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`[4, n]` rows of the four stacked tables (each offset by its table's first row) that
+    `(tokens[i], positions[i])` reads: the same for every `SyntheticModel`, whose seed picks
+    the tables' contents only, so a batch can ship them with its page tables."""
+    both = np.concatenate([_rows(np.asarray(tokens, dtype=np.int64), _TOKEN_SALT),
+                           _rows(np.asarray(positions, dtype=np.int64), _POS_SALT)])
+    return both + _TABLE_OFFSETS
+
+
 class SyntheticModel:
     """Q/K/V generator for one `ModelShape`; tables live on `device`."""
 
-    __slots__ = ("shape", "device", "_tables", "_offsets", "_token_gain", "_pos_gain", "_split",
-                 "_layer_index")
+    __slots__ = ("shape", "device", "_tables", "_token_gain", "_pos_gain", "_split",
+                 "_gains")
 
     def __init__(self, shape: ModelShape, seed: int, device: torch.device) -> None:
         self.shape = shape
@@ -64,21 +76,17 @@ class SyntheticModel:
         gen = torch.Generator().manual_seed(seed)
         # Four tables: two for the token's hashes, two for the position's.
         self._tables = torch.randn((4, TABLE_ROWS, width), generator=gen).to(device)
-        self._offsets = (torch.arange(4) * TABLE_ROWS)[:, None].to(device)
         signs = torch.randint(0, 2, (2, shape.num_layers, width), generator=gen) * 2 - 1
         # Each part sums two N(0, 1) rows; scaled so K, V and Q entries are N(0, 1) again.
         self._token_gain = (signs[0] * (0.8 / 2**0.5)).float().to(device)
         self._pos_gain = (signs[1] * (0.6 / 2**0.5)).float().to(device)
-        # Device copies of layer lists, made once: a host-to-device copy per step would make
-        # the host wait for the GPU.
-        self._layer_index: dict[tuple[int, ...], torch.Tensor] = {}
+        # The gains of a layer list, gathered once per list (per pool), not per step.
+        self._gains: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rows(self, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-        """Table rows of `(tokens[i], positions[i])`, shape [4, n], on the device: computed
+        """`table_rows` of `(tokens[i], positions[i])`, shape [4, n], on the device: computed
         once per step and reused for every layer."""
-        both = np.concatenate([_rows(np.asarray(tokens, dtype=np.int64), _TOKEN_SALT),
-                               _rows(np.asarray(positions, dtype=np.int64), _POS_SALT)])
-        return to_device([both], self.device)[0]
+        return to_device([table_rows(tokens, positions)], self.device)[0]
 
     def qkv(self, rows: torch.Tensor, layer: int, *, with_q: bool = True
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -100,30 +108,38 @@ class SyntheticModel:
         w = 2 * kv + (q if with_q else 0)
         n = rows.shape[1]
         key = tuple(layers)
-        lay = self._layer_index.get(key)
-        if lay is None:
-            lay = self._layer_index[key] = torch.as_tensor(key, dtype=torch.int64).to(self.device)
-        kv_out = torch.empty((len(lay), n, 2 * kv), dtype=kv_dtype, device=self.device)
-        q_out = (torch.empty((len(lay), n, q), dtype=q_dtype, device=self.device)
-                 if with_q else None)
+        gains = self._gains.get(key)
+        if gains is None:
+            lay = torch.as_tensor(key, dtype=torch.int64).to(self.device)
+            gains = self._gains[key] = (self._token_gain[lay, None], self._pos_gain[lay, None])
+        token_gain, pos_gain = gains
+        num = len(key)
         token, pos = self._parts(rows, w)
         group = max(1, max_bytes // max(1, 4 * n * w))
-        for g0 in range(0, len(lay), group):
-            sel = lay[g0:g0 + group]
-            x = (token * self._token_gain[sel, None, :w]
-                 + pos * self._pos_gain[sel, None, :w])
-            kv_out[g0:g0 + group] = x[..., :2 * kv]
-            if with_q:
-                q_out[g0:g0 + group] = x[..., 2 * kv:]
-        kv_out = kv_out.view(len(lay), n, 2, s.num_kv_heads, s.head_dim)
+        if group >= num:
+            # One group: the K/V (and Q) are the casts of one float32 product, no copies.
+            x = token * token_gain[..., :w] + pos * pos_gain[..., :w]
+            kv_out = x[..., :2 * kv].to(kv_dtype)
+            q_out = x[..., 2 * kv:].to(q_dtype) if with_q else None
+        else:
+            kv_out = torch.empty((num, n, 2 * kv), dtype=kv_dtype, device=self.device)
+            q_out = (torch.empty((num, n, q), dtype=q_dtype, device=self.device)
+                     if with_q else None)
+            for g0 in range(0, num, group):
+                g1 = min(num, g0 + group)
+                x = (token * token_gain[g0:g1, :, :w] + pos * pos_gain[g0:g1, :, :w])
+                kv_out[g0:g1] = x[..., :2 * kv]
+                if with_q:
+                    q_out[g0:g1] = x[..., 2 * kv:]
+        kv_out = kv_out.reshape(num, n, 2, s.num_kv_heads, s.head_dim)
         if with_q:
-            q_out = q_out.view(len(lay), n, s.num_q_heads, s.head_dim)
+            q_out = q_out.reshape(num, n, s.num_q_heads, s.head_dim)
         return kv_out, q_out
 
     def _parts(self, rows: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         # One gather for all four tables: rows of table i sit at offset i * TABLE_ROWS.
         flat = self._tables.view(4 * TABLE_ROWS, -1)
-        g = flat.index_select(0, (rows + self._offsets).reshape(-1)).view(4, -1, flat.shape[1])
+        g = flat.index_select(0, rows.reshape(-1)).view(4, -1, flat.shape[1])
         return g[0, :, :w] + g[1, :, :w], g[2, :, :w] + g[3, :, :w]
 
     def _project(self, rows: torch.Tensor, layers: slice, with_q: bool) -> torch.Tensor:

@@ -18,6 +18,7 @@ from kvbench.kernels.attention import PagedBatch, TorchBackend, write_kv  # noqa
 from kvbench.kernels.copies import _runs, _waves  # noqa: E402
 from kvbench.kernels.dataplane import DataPlane, resolve_backend  # noqa: E402
 from kvbench.kernels.model import SyntheticModel  # noqa: E402
+from kvbench.kernels.storage import STORAGE_DTYPES  # noqa: E402
 from kvbench.kernels.step import (  # noqa: E402
     BackendUnavailable, ModelShape, PoolSpec, StepItem,
 )
@@ -431,3 +432,18 @@ def test_paged_batch_tables_equal_a_per_item_recomputation():
     dec = PagedBatch(items[:1] + items[2:], pool, TPB, torch.device("cpu"), decode=True)
     assert dec.new_tokens.tolist() == [int(a[13]), int(c[6])]
     assert dec.pages_dev[:, 3:].tolist() == [p[6:] for p in want_pages]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "fp8"])
+def test_kv_exact_equals_qkv_all_bit_for_bit(dtype):
+    """The verifier's recomputation (four casts per key, picked per layer and column) gives
+    the bits the per-layer float32 formula gives, in every storage type."""
+    shape = ModelShape(5, 2, 4, 16, TPB, dtype)
+    model = SyntheticModel(shape, 3, torch.device("cpu"))
+    rows = model.rows(np.arange(-50, 250), np.arange(300) * 7)
+    kv_dtype = STORAGE_DTYPES[dtype]
+    want, _ = model.qkv_all(rows, (0, 2, 3, 4), kv_dtype, None)
+    got = model.kv_exact(rows, (0, 2, 3, 4), kv_dtype)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[want.element_size()]
+    assert got.shape == want.shape
+    assert torch.equal(got.view(bits), want.view(bits))

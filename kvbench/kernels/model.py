@@ -136,6 +136,35 @@ class SyntheticModel:
             q_out = q_out.reshape(num, n, s.num_q_heads, s.head_dim)
         return kv_out, q_out
 
+    def kv_exact(self, rows: torch.Tensor, layers: Sequence[int], kv_dtype: torch.dtype
+                 ) -> torch.Tensor:
+        """`qkv_all(rows, layers, kv_dtype, None)[0]` bit for bit, without float32 work per
+        layer (what the verifier recomputes for every key it reads): a layer's gains are
+        one of two constants with a sign per column, so each column of each layer is one of
+        the four casts of `token * (+-g_t) + pos * (+-g_p)`, computed once for all layers
+        (the same float32 operations) and picked per (layer, column). A `[L, n, 2, kv_heads,
+        head_dim]` view (not contiguous)."""
+        s = self.shape
+        w = 2 * self._split[0]
+        key = ("exact",) + tuple(layers)
+        cached = self._gains.get(key)
+        if cached is None:
+            lay = torch.as_tensor(tuple(layers), dtype=torch.int64).to(self.device)
+            tg, pg = self._token_gain[lay, :w], self._pos_gain[lay, :w]
+            gt, gp = self._token_gain.abs().amax(), self._pos_gain.abs().amax()
+            combo = (tg < 0).long() * 2 + (pg < 0).long()
+            cols = torch.arange(w, device=self.device)
+            cached = self._gains[key] = (torch.stack([gt, -gt]), torch.stack([gp, -gp]),
+                                         (combo * w + cols).reshape(-1))
+        gt2, gp2, index = cached
+        token, pos = self._parts(rows, w)
+        n = token.shape[0]
+        combos = torch.stack([token * gt2[a] + pos * gp2[b] for a in (0, 1) for b in (0, 1)],
+                             1).to(kv_dtype).view(n, 4 * w)
+        want = combos.index_select(1, index).view(n, len(layers), 2, s.num_kv_heads,
+                                                  s.head_dim)
+        return want.transpose(0, 1)
+
     def _parts(self, rows: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         # One gather for all four tables: rows of table i sit at offset i * TABLE_ROWS.
         flat = self._tables.view(4 * TABLE_ROWS, -1)

@@ -49,8 +49,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
-from itertools import compress, repeat
-from operator import and_, eq, lshift, mod, not_, or_
+from itertools import accumulate, compress, repeat
+from operator import and_, eq, itemgetter, lshift, mod, not_, or_, rshift
 
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
@@ -61,6 +61,8 @@ _BLOCK_BITS = 32
 _BLOCK_MASK = (1 << _BLOCK_BITS) - 1
 _TAG_BITS = _BLOCK_BITS + 40
 _TAG_MASK = (1 << _TAG_BITS) - 1
+_key_of = itemgetter(0)
+"""A stored record's block key (None for a partial block)."""
 _SAMPLE_PRIME = 65521
 """Shadow keys are those with `key % prime % shadow_sampling == 0`: block keys of a trace are
 structured ints (hash id and offset), so their low bits alone would sample unevenly."""
@@ -131,34 +133,19 @@ class LRU2Policy:
         one, capped at its parent's."""
         if not blocks:
             return
-        hist, stored = self.history, self.index.stored
+        hist = self.history
         m = hist.map
-        get = m.get
         clock = hist.clock
         n = len(blocks)
-        ranks = [0] * n  # deepest first, as `blocks`
-        keys = []  # shallowest first
-        add_key = keys.append
-        cap = 1 << 62
-        i = n
-        # Shallowest first, as the sequence touched them; keys in a chain are distinct, so
-        # each key's earlier use is read before this release writes its own.
-        for b in reversed(blocks):
-            key = stored[b][0]
-            add_key(key)
-            clock += 1
-            seen = get(key)
-            m[key] = clock << 8
-            i -= 1
-            if seen is None:
-                cap = 0
-            else:
-                r = seen >> 8
-                if r < cap:
-                    cap = r
-            ranks[i] = cap
+        # Shallowest first, as the sequence touched them (one tick each); keys in a chain are
+        # distinct, so every earlier use is read before this release writes its own. The rank
+        # is the earlier use's tick (0: none), capped at the parent's: a running minimum.
+        keys = list(map(_key_of, map(self.index.stored.__getitem__, reversed(blocks))))
+        ranks = list(accumulate(map(rshift, map(m.get, keys, repeat(0, n)), repeat(8, n)), min))
+        ranks.reverse()  # deepest first, as `blocks`
+        m.update(zip(keys, range((clock + 1) << 8, (clock + n + 1) << 8, 256)))
         m.pop(None, None)  # a partial block's: never remembered
-        hist.clock = clock
+        hist.clock = clock + n
         hist.settle()
         if self._shadow_cap:
             self._shadow(keys, ranks)

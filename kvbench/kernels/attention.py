@@ -40,6 +40,50 @@ def tile_bytes(device: torch.device) -> int:
     return TILE_BYTES_CUDA if device.type == "cuda" else TILE_BYTES
 
 
+def _check_reach(items: list[StepItem], kv_start: np.ndarray, needed: np.ndarray,
+                 npages: np.ndarray, tpb: int) -> None:
+    """Raise ValueError for the first item whose page table does not reach what its queries
+    read: it starts after the first key needed, or has fewer blocks than its positions."""
+    n = len(items)
+    for i in np.flatnonzero((kv_start > needed)
+                            | (np.fromiter(map(len, (it.blocks for it in items)), np.int64,
+                                           n) < npages))[:1]:
+        it = items[i]
+        if kv_start[i] > needed[i]:
+            raise ValueError(
+                f"request {it.request_id}: page table starts at block {it.first_block} but "
+                f"the step's queries need position {needed[i]} (block {needed[i] // tpb})")
+        raise ValueError(
+            f"request {it.request_id}: page table has {len(it.blocks)} blocks from "
+            f"block {it.first_block}, positions up to {it.end - 1} need {npages[i]}")
+
+
+def _first_layer_pages(items: list[StepItem], npages: np.ndarray, kv_indptr: np.ndarray,
+                       num_layers: int, num_gpu_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """The flattened pages of the items at the pool's first layer (`slot * num_layers`; a
+    scratch page as it is, the same in every layer) and the mask of scratch entries. Raises
+    ValueError for a block outside the pool."""
+    total = int(kv_indptr[-1])
+    blocks = np.fromiter(chain.from_iterable(
+        islice(it.blocks, int(k)) for it, k in zip(items, npages)), np.int64, total)
+    pages = blocks * num_layers
+    mask = np.zeros(total, bool)
+    for i, it in enumerate(items):
+        if it.scratch:
+            for index, page in it.scratch.items():
+                r = index - it.first_block
+                if 0 <= r < npages[i]:
+                    pages[kv_indptr[i] + r] = page
+                    mask[kv_indptr[i] + r] = True
+    bad = ~mask & ((blocks < 0) | (blocks >= num_gpu_slots))
+    if bad.any():
+        j = int(np.argmax(bad))
+        it = items[int(np.searchsorted(kv_indptr, j, side="right")) - 1]
+        raise ValueError(f"request {it.request_id}: page table names GPU block "
+                         f"{blocks[j]}, outside the pool")
+    return pages, mask
+
+
 class PagedBatch:
     """One pool's items of one kind (context or decode) in a step, as page tables."""
 
@@ -73,40 +117,14 @@ class PagedBatch:
         needed = np.maximum(0, starts - window + 1) if window else np.zeros(n, np.int64)
         kv_len = ends - kv_start
         npages = -(-kv_len // tpb)
-        for i in np.flatnonzero((kv_start > needed)
-                                | (np.fromiter(map(len, (it.blocks for it in items)), np.int64,
-                                               n) < npages))[:1]:
-            it = items[i]
-            if kv_start[i] > needed[i]:
-                raise ValueError(
-                    f"request {it.request_id}: page table starts at block {it.first_block} but "
-                    f"the step's queries need position {needed[i]} (block {needed[i] // tpb})")
-            raise ValueError(
-                f"request {it.request_id}: page table has {len(it.blocks)} blocks from "
-                f"block {it.first_block}, positions up to {it.end - 1} need {npages[i]}")
+        _check_reach(items, kv_start, needed, npages, tpb)
         kv_indptr = np.zeros(n + 1, np.int64)
         np.cumsum(npages, out=kv_indptr[1:])
         counts = ends - starts
         qo_indptr = np.zeros(n + 1, np.int64)
         np.cumsum(counts, out=qo_indptr[1:])
-        total = int(kv_indptr[-1])
-        blocks = np.fromiter(chain.from_iterable(
-            islice(it.blocks, int(k)) for it, k in zip(items, npages)), np.int64, total)
-        pages = blocks * num_layers
-        mask = np.zeros(total, bool)
-        for i, it in enumerate(items):
-            if it.scratch:
-                for index, page in it.scratch.items():
-                    r = index - it.first_block
-                    if 0 <= r < npages[i]:
-                        pages[kv_indptr[i] + r] = page
-                        mask[kv_indptr[i] + r] = True
-        bad = ~mask & ((blocks < 0) | (blocks >= spec.num_gpu_slots))
-        if bad.any():
-            j = int(np.argmax(bad))
-            it = items[int(np.searchsorted(kv_indptr, j, side="right")) - 1]
-            raise ValueError(f"request {it.request_id}: page table names GPU block "
-                             f"{blocks[j]}, outside the pool")
+        pages, mask = _first_layer_pages(items, npages, kv_indptr, num_layers,
+                                         spec.num_gpu_slots)
         self.kv_start = kv_start
         self.kv_len = kv_len
         self.qo_indptr = qo_indptr

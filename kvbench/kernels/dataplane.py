@@ -119,16 +119,7 @@ class DataPlane:
         self.copy_stream = torch.cuda.Stream(self.device) if self._timed else None
         self.copier = CopyExecutor(self.pools, self.device)
         self.model = SyntheticModel(shape, seed, self.device)
-        if backend == "torch":
-            self.backend = TorchBackend()
-        elif backend == "flashinfer":
-            from .flashinfer_backend import FlashInferBackend
-
-            self.backend = FlashInferBackend(shape, self.device)
-            self.backend.warm_up([p.spec.window for p in self.pools[:self.num_decoder_pools]],
-                                 cross=cross is not None)
-        else:
-            raise ValueError(f"unknown backend {backend!r}")
+        self.backend = self._open_backend(backend, cross is not None)
         if engine is not None and not self._timed:
             raise ValueError("the engine's linear layers run only on CUDA")
         self.engine = engine
@@ -161,6 +152,20 @@ class DataPlane:
         which must not be rewritten before the GPU copied it."""
         self._pending: deque[_Marks] = deque()
 
+    def _open_backend(self, backend: str, cross: bool):
+        """The attention backend; FlashInfer's kernels are compiled and planned once here
+        (warm-up), for every pool's window and the cross pool."""
+        if backend == "torch":
+            return TorchBackend()
+        if backend == "flashinfer":
+            from .flashinfer_backend import FlashInferBackend
+
+            fi = FlashInferBackend(self.shape, self.device)
+            fi.warm_up([p.spec.window for p in self.pools[:self.num_decoder_pools]],
+                       cross=cross)
+            return fi
+        raise ValueError(f"unknown backend {backend!r}")
+
     def execute_step(self, copy_ops: Sequence[CopyOp] | Mapping[int, Sequence[CopyOp]],
                      items: Sequence[StepItem], encoder: Sequence[StepItem] = ()) -> StepCheck:
         """Run one engine step.
@@ -186,30 +191,7 @@ class DataPlane:
         by_pool = copy_ops if isinstance(copy_ops, Mapping) else {0: copy_ops}
         for pool, ops in by_pool.items():
             self.copier.check(pool, ops)
-        # Untimed preparation: page tables, the synthetic model's Q/K/V (an engine's linear
-        # layers produce them; those are timed instead), attention plans. A batch with
-        # scratch pages runs layer by layer (every layer reuses the scratch page), planned
-        # and, when checked, verified between layers.
-        # `writes`: (tensor, batch, K/V); `attend`: (verifier, pool, tensor, batch, layers, q,
-        # plan), cross-attention batches (`CrossBatch`) among them.
-        writes, layered, attend = [], [], []
-        tokens = 0
-        if encoder:
-            writes.append(self._encoder_writes(encoder))
-        for pool, batch in self._batches(items):
-            tensors = self.pools[pool]
-            layers = tensors.spec.layers
-            new_kv, q = self.model.qkv_all(batch.rows, layers, self._kv_dtype, self._q_dtype)
-            if batch.has_scratch:
-                layered.append((pool, batch, new_kv, q))
-            else:
-                writes.append((tensors.gpu, batch, new_kv))
-                attend.append((self.verifier, pool, tensors.gpu, batch, layers, q,
-                               self.backend.plan(pool, batch, buffer)))
-            if CrossBatch.wanted(batch):
-                attend.append(self._cross_attention(pool, batch, layers, q, buffer))
-            if pool == 0:
-                tokens += len(batch.new_tokens)
+        writes, layered, attend, tokens = self._prepare(items, encoder, buffer)
         if self.engine is not None:
             self.engine.prepare(tokens)
         marks = _Marks(self._timed)
@@ -227,22 +209,9 @@ class DataPlane:
         for kv, batch, new_kv in writes:
             write_kv(kv, batch, new_kv)
         marks.record("write")
-        worst = 0.0
-        mismatch = None
         # Layered batches write before any whole batch attends: a beam's own item may read
         # the shared context its beam 0 writes this step from a batch with scratch pages.
-        for pool, batch, new_kv, q in layered:
-            tensors = self.pools[pool]
-            for local, layer in enumerate(tensors.spec.layers):
-                part = batch.layer_slice(local)
-                write_kv(tensors.gpu, part, new_kv[local:local + 1])
-                out = self.backend.run(tensors.gpu, part, q[local:local + 1],
-                                       self.backend.plan(pool, part, buffer))
-                if check:
-                    err, found = self.verifier.check(step, tensors.gpu, part, pool, (layer,),
-                                                     q[local:local + 1], out)
-                    worst = max(worst, err)
-                    mismatch = mismatch or found
+        worst, mismatch = self._run_layered(layered, step, buffer, check)
         outs = [self.backend.run(kv, batch, q, plan) for _, _, kv, batch, _, q, plan in attend]
         marks.record("attention")
         self.host_s += time.perf_counter() - t0
@@ -270,6 +239,55 @@ class DataPlane:
             max_abs_err=worst if check else None, mismatch=mismatch, copied_blocks=copied,
             copy_bytes=copy_bytes, attention_ms=t.get("attention"), write_ms=t.get("write"),
             copy_ms=t.get("copy"), linear_ms=t.get("linear"), step_ms=t.get("step"))
+
+    def _prepare(self, items: Sequence[StepItem], encoder: Sequence[StepItem], buffer: int):
+        """The step's untimed preparation: page tables, the synthetic model's Q/K/V (an
+        engine's linear layers produce them; those are timed instead), attention plans. A
+        batch with scratch pages runs layer by layer (every layer reuses the scratch page),
+        planned and, when checked, verified between layers. Returns `writes`: (tensor, batch,
+        K/V); `layered`: (pool, batch, K/V, q); `attend`: (verifier, pool, tensor, batch,
+        layers, q, plan), cross-attention batches (`CrossBatch`) among them; and the tokens
+        pool 0 computes (the engine's linear layers run on them)."""
+        writes, layered, attend = [], [], []
+        tokens = 0
+        if encoder:
+            writes.append(self._encoder_writes(encoder))
+        for pool, batch in self._batches(items):
+            tensors = self.pools[pool]
+            layers = tensors.spec.layers
+            new_kv, q = self.model.qkv_all(batch.rows, layers, self._kv_dtype, self._q_dtype)
+            if batch.has_scratch:
+                layered.append((pool, batch, new_kv, q))
+            else:
+                writes.append((tensors.gpu, batch, new_kv))
+                attend.append((self.verifier, pool, tensors.gpu, batch, layers, q,
+                               self.backend.plan(pool, batch, buffer)))
+            if CrossBatch.wanted(batch):
+                attend.append(self._cross_attention(pool, batch, layers, q, buffer))
+            if pool == 0:
+                tokens += len(batch.new_tokens)
+        return writes, layered, attend, tokens
+
+    def _run_layered(self, layered: list, step: int, buffer: int, check: bool
+                     ) -> tuple[float, Mismatch | None]:
+        """Write and attend the batches with scratch pages one layer at a time, each layer
+        verified after it ran when `check` (the next layer reuses the scratch page).
+        Returns the largest error and the first mismatch."""
+        worst = 0.0
+        mismatch = None
+        for pool, batch, new_kv, q in layered:
+            tensors = self.pools[pool]
+            for local, layer in enumerate(tensors.spec.layers):
+                part = batch.layer_slice(local)
+                write_kv(tensors.gpu, part, new_kv[local:local + 1])
+                out = self.backend.run(tensors.gpu, part, q[local:local + 1],
+                                       self.backend.plan(pool, part, buffer))
+                if check:
+                    err, found = self.verifier.check(step, tensors.gpu, part, pool, (layer,),
+                                                     q[local:local + 1], out)
+                    worst = max(worst, err)
+                    mismatch = mismatch or found
+        return worst, mismatch
 
     def _add_times(self, times: dict[str, float] | None) -> None:
         if times is not None:

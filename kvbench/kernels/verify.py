@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .attention import PagedBatch, attend_segments, gather_keys, tile_bytes, tiles
+from .attention import KeyIndex, PagedBatch, attend_segments, gather_keys, tile_bytes, tiles
 from .model import SyntheticModel
 from .step import Mismatch, StepItem
 from .storage import STORAGE_DTYPES
@@ -104,8 +104,16 @@ class Verifier:
         if not bad.any():
             return worst, None
         l, i = (int(x) for x in np.argwhere(bad)[0])
+        return worst, self._report(step, kv, batch, pool, layers, keys, l, i,
+                                   verdict[0, l, i] > 0, err_q, ref_item)
+
+    def _report(self, step: int, kv: torch.Tensor, batch: PagedBatch, pool: int,
+                layers: tuple[int, ...], keys: KeyIndex, l: int, i: int, kv_wrong: bool,
+                err_q: torch.Tensor, ref_item: torch.Tensor) -> Mismatch:
+        """The mismatch of item `i` at local layer `l`, the first failing one: its first wrong
+        key (`kv_wrong`) or its query with the largest attention error."""
         it = batch.items[i]
-        if verdict[0, l, i] > 0:
+        if kv_wrong:
             # Recompute the item's keys at that layer for the report.
             one = slice(i, i + 1)
             k0, k1 = int(keys.indptr[i]), int(keys.indptr[i + 1])
@@ -114,14 +122,14 @@ class Verifier:
             got = gather_keys(kv, batch, keys, slice(l, l + 1), one)
             d = (got.float() - want.float()).abs().amax(dim=(2, 3, 4))[0].cpu().numpy()
             j = int(np.argmax(~(d == 0)))
-            return worst, self._mismatch(step, it, batch, pool, i, l, layers[l], "kv",
-                                         int(keys.lo[i]) + j, float(d[j]), 0.0)
+            return self._mismatch(step, it, batch, pool, i, l, layers[l], "kv",
+                                  int(keys.lo[i]) + j, float(d[j]), 0.0)
         q0, q1 = int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1])
         e = err_q[l, q0:q1].cpu().numpy()
         j = int(np.argmax(np.nan_to_num(e, nan=np.inf)))
         tol = self.atol + self.rtol * float(ref_item[l, i])
-        return worst, self._mismatch(step, it, batch, pool, i, l, layers[l], "attention",
-                                     it.start + j, float(e.max()), tol)
+        return self._mismatch(step, it, batch, pool, i, l, layers[l], "attention",
+                              it.start + j, float(e.max()), tol)
 
     def _mismatch(self, step: int, it: StepItem, batch: PagedBatch, pool: int, i: int,
                   local: int, layer: int, kind: str, position: int, error: float,

@@ -71,15 +71,30 @@ def test_measured_serve_run(tmp_path, capsys):
     assert m["linear_ms"] > 0
 
 
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 128 * 2
+"""K and V x 2 layers x 2 KV heads x head_dim 128 x bfloat16 (verify-serve-small, TINY)."""
+
+
 @needs_cuda
 def test_measured_run_that_does_not_fit_is_refused_before_starting(capsys):
     import torch
 
+    # The K/V tensors alone exceed the GPU: the run plan refuses them before anything runs.
     free, _ = torch.cuda.mem_get_info()
-    tokens = 2 * free // (2 * 2 * 128 * 2) // 16 * 16  # 2 layers x 2 KV heads x 128 x bf16
+    tokens = 2 * free // KV_BYTES_PER_TOKEN // 16 * 16
     code, _, err = run_cli(["run", SMALL, *TINY, "--set", "run.clock=measured", "--set",
-                            f"cache.max_tokens={tokens}", "--set", "variants=[]"], capsys)
-    assert code == 2 and "run.clock: measured needs" in err and "bytes" in err
+                            f"cache.max_tokens={tokens}", "--set", "cache.host_offload_ratio=0",
+                            "--set", "variants=[]"], capsys)
+    assert code == 2 and "K/V tensors need" in err and "bytes" in err
+    assert "lower cache.max_tokens" in err
+    # The K/V tensors fit but not with the measured engine's weights, step buffers and
+    # workspaces (2 GiB of them): the measured clock refuses.
+    free, _ = torch.cuda.mem_get_info()
+    tokens = (free - (1 << 30)) // KV_BYTES_PER_TOKEN // 16 * 16
+    code, _, err = run_cli(["run", SMALL, *TINY, "--set", "run.clock=measured", "--set",
+                            f"cache.max_tokens={tokens}", "--set", "cache.host_offload_ratio=0",
+                            "--set", "variants=[]"], capsys)
+    assert code == 2 and "run.clock: measured needs" in err and "bytes" in err, err
     assert "lower cache.max_tokens" in err
 
 

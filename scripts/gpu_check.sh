@@ -124,6 +124,8 @@ summary = {
     "steps": dict(s.split("=", 1) for s in steps),
     "pytest": pytest_tail,
     "profile": profile.name if profile.exists() else None,
+    # The profile's text too, so the one summary file carries everything the run measured.
+    "profile_yaml": profile.read_text() if profile.exists() else None,
     "dataplane": load("dataplane.json"),
     "fidelity": load("fidelity.json"),
     "verify_flashinfer": [
@@ -135,5 +137,6 @@ summary = {
 }
 (out / "gpu_summary.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps({k: v for k, v in summary.items() if k not in ("bench_kernels", "fidelity",
-                                                               "dataplane")}, indent=1))
+                                                               "dataplane", "profile_yaml")},
+                 indent=1))
 PY

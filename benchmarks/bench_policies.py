@@ -58,6 +58,12 @@ def main() -> None:
         requests = _requests(trace)
         for cap in (int(c) for c in args.capacities.split(",")):
             blocks = cap // args.tpb
+            largest = max(requests, key=lambda r: r.input_length)
+            need = -(-largest.input_length // args.tpb)
+            if need > blocks:  # `kvbench run` refuses such a run, and neither replay fits it
+                print(f"# {trace} {cap}: skipped: request {largest.id} needs {need} blocks, "
+                      f"the pool holds {blocks}", flush=True)
+                continue
             optimal = reference_hit_rates(requests, args.tpb, blocks,
                                           partial_reuse=args.partial).optimal_hit_rate
             lru = None

@@ -19,6 +19,8 @@ before their parents and orphans are rare.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
 from ..ids import BlockId, BlockKey
 from ..radix import PrefixIndex
@@ -26,52 +28,135 @@ from ..radix import PrefixIndex
 
 _NO_BOUND = 1 << 62
 
+_EMPTY = -1
+"""A free slot of a `KeyHistory` table: no block key is -1 (`hash()` never returns it, and
+trace keys are non-negative)."""
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
 
 class KeyHistory:
     """Bounded memory of the keys used lately: `key -> (clock << 8) | small payload`.
 
     It outlives eviction on purpose (a ghost list, in cache terms): on real traffic most reuse
     comes after the block was evicted, so a policy that forgot a key with its block would never
-    see a second use. The owner writes `map` directly, in its own per-block loop (the hot
-    path), and advances `clock` (one tick per released block); when the map
-    holds twice `capacity` keys, keys last used `capacity` ticks ago or earlier are dropped
-    (at most `capacity` keys are written in that many ticks), so a key is remembered for
-    between `capacity` and about `2 x capacity` ticks, in amortised O(1)."""
+    see a second use. The owner reads (`find`) and writes (`store`) a release's keys at once
+    and advances `clock` (one tick per released block); when it holds more than twice
+    `capacity` keys, keys last used `capacity` ticks ago or earlier are dropped (at most
+    `capacity` keys are written in that many ticks), so a key is remembered for between
+    `capacity` and about `2 x capacity` ticks, in amortised O(1).
 
-    __slots__ = ("capacity", "map", "clock")
+    An open-addressing table (linear probing) over two int64 arrays, read and written a batch
+    of distinct keys at a time with numpy: the history is several times the pool, so a dict
+    of it misses the CPU caches on every access, one access at a time; a batch overlaps them."""
+
+    __slots__ = ("capacity", "clock", "count", "_keys", "_entries", "_mask", "_shift")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self.map: dict[BlockKey, int] = {}
         self.clock = 0
+        self.count = 0
+        """Keys remembered."""
+        self._alloc(16)  # grows to stay at most half full
 
     def __len__(self) -> int:
-        return len(self.map)
+        return self.count
+
+    def find(self, keys: np.ndarray, slots: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """The slots of distinct `keys` (int64) and their entries (-1: not remembered): where
+        each key is, else the free slot ending its probe (from `slots`, or its home)."""
+        table, mask = self._keys, self._mask
+        if slots is None:  # home slots by Fibonacci hashing: trace keys are structured ints
+            slots = ((keys.view(np.uint64) * _MIX) >> self._shift).view(np.int64)
+        at = table[slots]
+        busy = np.flatnonzero((at != keys) & (at != _EMPTY))
+        while busy.size:  # the next slot of each key still on another key's
+            slots[busy] = (slots[busy] + 1) & mask
+            at = table[slots[busy]]
+            busy = busy[(at != keys[busy]) & (at != _EMPTY)]
+        return slots, np.where(table[slots] == keys, self._entries[slots], -1)
+
+    def store(self, keys: np.ndarray, slots: np.ndarray, entries: np.ndarray) -> None:
+        """Remember `entries` for distinct `keys` at their `slots` from `find` (nothing
+        stored since); then drop old keys if the history is full."""
+        table = self._keys
+        new = np.flatnonzero(table[slots] != keys)
+        if 2 * (self.count + new.size) > len(table):  # keep the table at most half full
+            self._rebuild(table != _EMPTY, 4 * (self.count + new.size))
+            table = self._keys
+            slots, _ = self.find(keys)
+            new = np.flatnonzero(table[slots] != keys)
+        while new.size:  # claim the free slots; keys that lost one to another probe on
+            at = slots[new]
+            table[at] = keys[new]
+            lost = new[table[at] != keys[new]]
+            self.count += new.size - lost.size
+            if not lost.size:
+                break
+            slots[lost], _ = self.find(keys[lost], (slots[lost] + 1) & self._mask)
+            new = lost
+        self._entries[slots] = entries
+        if self.count > 2 * self.capacity:
+            self._settle()
+
+    def contains(self, keys: list) -> list[bool]:
+        """Whether each of `keys` (None: never) is remembered."""
+        known = [k for k in keys if k is not None] if None in keys else keys
+        _, entries = self.find(np.array(known, np.int64))
+        seen = (entries >= 0).tolist()
+        if known is keys:
+            return seen
+        it = iter(seen)
+        return [False if k is None else next(it) for k in keys]
 
     def record_each(self, keys: list) -> list[bool]:
         """Record each of `keys` (distinct; None is skipped, as never seen) at its own tick,
-        settling as the map fills; returns whether each was remembered just before."""
-        m, clock, limit = self.map, self.clock, 2 * self.capacity
-        seen: list[bool] = []
-        for key in keys:
-            if key is None:
-                seen.append(False)
-                continue
-            seen.append(key in m)
-            clock += 1
-            m[key] = clock << 8
-            if len(m) > limit:
-                self.clock = clock
-                self.settle()
-                m = self.map
-        self.clock = clock
+        exactly as one at a time with a settle after each; returns whether each was
+        remembered just before."""
+        known = [k for k in keys if k is not None] if None in keys else keys
+        if not known:
+            return [False] * len(keys)
+        seen = self._record_each(np.array(known, np.int64), self.clock + 1).tolist()
+        if known is keys:
+            return seen
+        it = iter(seen)
+        return [False if k is None else next(it) for k in keys]
+
+    def _record_each(self, keys: np.ndarray, first_tick: int) -> np.ndarray:
+        seen = np.empty(keys.size, bool)
+        done = 0
+        while done < keys.size:
+            rest = keys[done:]
+            slots, old = self.find(rest)
+            new = np.cumsum(old < 0)
+            room = 2 * self.capacity - self.count
+            # The key whose write overfills the history ends this batch (a settle follows).
+            end = rest.size if new[-1] <= room else int(np.searchsorted(new, room + 1)) + 1
+            ticks = np.arange(first_tick + done, first_tick + done + end, dtype=np.int64)
+            self.clock = first_tick + done + end - 1
+            seen[done:done + end] = old[:end] >= 0
+            self.store(rest[:end].copy(), slots[:end].copy(), ticks << 8)
+            done += end
         return seen
 
-    def settle(self) -> None:
-        """Drop old keys if the map is full (call after writing to `map` directly)."""
-        if len(self.map) > 2 * self.capacity:
-            cut = (self.clock - self.capacity) << 8
-            self.map = {k: v for k, v in self.map.items() if v >= cut}
+    def _settle(self) -> None:
+        cut = (self.clock - self.capacity) << 8
+        self._rebuild((self._keys != _EMPTY) & (self._entries >= cut), len(self._keys))
+
+    def _rebuild(self, keep: np.ndarray, size: int) -> None:
+        keys, entries = self._keys[keep], self._entries[keep]
+        self._alloc(size)
+        if keys.size:
+            slots, _ = self.find(keys)
+            self.store(keys, slots, entries)
+
+    def _alloc(self, size: int) -> None:
+        size = 1 << max(4, (size - 1).bit_length())
+        self._keys = np.full(size, _EMPTY, np.int64)
+        self._entries = np.zeros(size, np.int64)
+        self._mask = size - 1
+        self._shift = np.uint64(65 - size.bit_length())
+        self.count = 0
 
 
 class ClassQueuePolicy:
@@ -177,6 +262,34 @@ class ClassQueuePolicy:
         return [BlockId(e[4]) for e in entries]
 
     # --- for subclasses -------------------------------------------------------------------
+
+    def _chain_keys(self, blocks: list[BlockId]) -> tuple[np.ndarray, bool]:
+        """The keys of a release's full `blocks` (deepest first), shallowest first, as the
+        sequence touched them, and whether the deepest is a partial block (no key)."""
+        stored = self.index.stored
+        keys = [stored[b][0] for b in reversed(blocks)]
+        partial = keys[-1] is None
+        if partial:
+            keys.pop()
+        return np.array(keys, np.int64), partial
+
+    @staticmethod
+    def _cuts(classes: np.ndarray, top: int, partial: bool) -> list[tuple[int, int]]:
+        """`_classify`'s cuts for the classes of a chain's full blocks (shallowest first),
+        each capped at its parent's (a running minimum from `top`); a partial block after
+        them takes class 1."""
+        cuts = [(0, top)]
+        last = top
+        if classes.size:
+            caps = np.minimum.accumulate(classes)
+            if caps[0] < top:
+                cuts.append((0, int(caps[0])))
+            change = np.flatnonzero(caps[1:] != caps[:-1]) + 1
+            cuts += zip(change.tolist(), caps[change].tolist())
+            last = int(caps[-1])
+        if partial and last > 1:
+            cuts.append((classes.size, 1))
+        return cuts
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
         """Classes of a release's `blocks` (deepest first), none above its parent's, as cuts

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import ClassQueuePolicy, KeyHistory
@@ -50,35 +52,17 @@ class GDSFPolicy(ClassQueuePolicy):
         self._weight = int(params.freq_weight * _UNIT)
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
-        hist, stored = self.history, self.index.stored
-        m = hist.map
-        get = m.get
+        hist = self.history
+        keys, partial = self._chain_keys(blocks)
         top = self.params.max_freq
-        start = clock = hist.clock
-        cuts = [(0, top)]
-        cap = top
-        # Shallowest first, as the sequence touched them; keys in a chain are distinct, so
-        # each key's earlier use is read before this release writes its own.
-        for b in reversed(blocks):
-            key = stored[b][0]
-            clock += 1
-            seen = get(key)
-            if seen is None:
-                m[key] = (clock << 8) | 1
-                if cap > 1:
-                    cuts.append((clock - start - 1, 1))
-                    cap = 1
-            else:
-                was = seen & 255
-                n = was + 1 if was < top else top
-                m[key] = (clock << 8) | n
-                if n < cap:  # never above the parent
-                    cuts.append((clock - start - 1, n))
-                    cap = n
-        m.pop(None, None)  # a partial block's: never remembered
-        hist.clock = clock
-        hist.settle()
-        return cuts, self.inflation
+        slots, earlier = hist.find(keys)
+        # Uses so far, this one counted, up to max_freq (a key not remembered: 1).
+        freq = np.minimum(np.where(earlier < 0, 0, earlier & 255) + 1, top)
+        start = hist.clock
+        hist.clock = start + keys.size + partial  # a partial block ticks, unremembered
+        ticks = np.arange(start + 1, start + keys.size + 1, dtype=np.int64)
+        hist.store(keys, slots, (ticks << 8) | freq)
+        return self._cuts(freq, top, partial), self.inflation
 
     def _now(self) -> int:
         return self.inflation

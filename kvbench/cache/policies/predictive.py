@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import ClassQueuePolicy, KeyHistory
@@ -67,43 +69,26 @@ class PredictivePolicy(ClassQueuePolicy):
         return (self.reuses[cls] + p.prior * p.prior_weight) / (self.uses[cls] + p.prior_weight)
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
-        hist, stored = self.history, self.index.stored
-        m = hist.map
-        get = m.get
-        reuses, uses, horizon = self.reuses, self.uses, self._horizon
+        hist = self.history
+        keys, partial = self._chain_keys(blocks)
         top = self.params.max_class
-        start = clock = hist.clock
-        cuts = [(0, top)]
-        cap = top
-        new = 0
-        # Shallowest first, as the sequence touched them; keys in a chain are distinct, so
-        # each key's earlier use is read before this release writes its own.
-        for b in reversed(blocks):
-            key = stored[b][0]
-            clock += 1
-            seen = get(key)
-            if seen is None:
-                m[key] = (clock << 8) | 1  # (clock of this use << 8) | its class
-                new += 1
-                if cap > 1:
-                    cuts.append((clock - start - 1, 1))
-                    cap = 1
-            else:
-                was = seen & 255
-                if clock - (seen >> 8) <= horizon:
-                    reuses[was] += 1
-                cls = was + 1 if was < top else top
-                uses[cls] += 1
-                m[key] = (clock << 8) | cls
-                if cls < cap:  # never above the parent
-                    cuts.append((clock - start - 1, cls))
-                    cap = cls
-        uses[1] += new
-        m.pop(None, None)  # a partial block's: never remembered
-        hist.clock = clock
-        hist.settle()
+        slots, earlier = hist.find(keys)
+        seen = earlier >= 0
+        was = np.where(seen, earlier & 255, 0)
+        cls = np.minimum(was + 1, top)  # a key not remembered: class 1
+        start = hist.clock
+        hist.clock = start + keys.size + partial  # a partial block ticks, unremembered
+        ticks = np.arange(start + 1, start + keys.size + 1, dtype=np.int64)
+        # A use followed by this one within the horizon was reused soon.
+        soon = np.bincount(was[seen & (ticks - (earlier >> 8) <= self._horizon)],
+                           minlength=top + 1)
+        used = np.bincount(cls, minlength=top + 1)
+        used[1] += partial
+        self.reuses = [a + b for a, b in zip(self.reuses, soon.tolist())]
+        self.uses = [a + b for a, b in zip(self.uses, used.tolist())]
+        hist.store(keys, slots, (ticks << 8) | cls)
         self._update_shifts()
-        return cuts, start
+        return self._cuts(cls, top, partial), start
 
     def _update_shifts(self) -> None:
         shift, scale = self._shift, self._scale

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
 from ..ids import BlockId
 from ..radix import PrefixIndex
@@ -91,31 +93,32 @@ class SLRUPolicy(_TwoQueues):
         self._cap = int(params.protected_ratio * capacity)
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
-        hist, last, stored = self.history, self._rec, self.index.stored
-        m = hist.map
+        hist, last = self.history, self._rec
+        recs = list(map(self.index.stored.__getitem__, blocks))
+        keys = [rec[0] for rec in recs]
+        partial = keys[0] is None  # the deepest block may be partial (no key)
+        n = len(blocks)
+        known = np.array(keys[1:] if partial else keys, np.int64)
+        slots, earlier = hist.find(known)
+        seen = (earlier >= 0).tolist()
+        if partial:
+            seen.insert(0, False)
+        # The sequence touched its blocks shallowest first: one clock tick each, so the
+        # deepest (first here) gets the latest.
+        start = hist.clock
+        hist.clock = start + n
+        hist.store(known, slots, np.arange(start + n - partial, start, -1, dtype=np.int64) << 8)
         probation: list[BlockId] = []
         protected: list[BlockId] = []
         to_probation, to_protected = probation.append, protected.append
-        # The sequence touched its blocks shallowest first: one clock tick each, so the
-        # deepest (first here) gets the latest. A block queued again with the data it held
-        # when last queued left the queue by a claim (eviction forgets the data), so it was
-        # reused while cached: protected. Keys in a chain are distinct, so whether a key was
-        # seen is read before this release writes it.
-        n = len(blocks)
-        entry = (hist.clock + n) << 8
-        for b in blocks:
-            rec = stored[b]
-            key = rec[0]
+        # A block queued again with the data it held when last queued left the queue by a
+        # claim (eviction forgets the data), so it was reused while cached: protected.
+        for b, rec, was in zip(blocks, recs, seen):
             if rec is last[b]:
                 to_protected(b)
-            else:  # new data: protected if its key was used before (None never is)
+            else:  # new data: protected if its key was used before
                 last[b] = rec
-                (to_protected if key in m else to_probation)(b)
-            m[key] = entry
-            entry -= 256
-        m.pop(None, None)
-        hist.clock += n
-        hist.settle()
+                (to_protected if was else to_probation)(b)
         queue = self.queue
         queue.push_run(probation, 2 * priority)
         queue.push_run(protected, 2 * priority + 1)
@@ -188,20 +191,21 @@ class S3FIFOPolicy(_TwoQueues):
         return True
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
-        hit, in_second, freq, stored = self._hit, self._in_second, self._freq, self.index.stored
-        ghosts = self.history.map
+        hit, in_second, freq = self._hit, self._in_second, self._freq
+        recs = list(map(self.index.stored.__getitem__, blocks))
+        ghost = iter(self.history.contains([rec[0] for rec in recs]))
         top = self.params.max_freq
         small: list[BlockId] = []
         main: list[BlockId] = []
         to_small, to_main = small.append, main.append
         last = self._rec
-        for b in blocks:
-            rec = stored[b]
+        for b, rec in zip(blocks, recs):
+            is_ghost = next(ghost)
             if rec is not last[b]:  # data it did not hold when last queued
                 last[b] = rec
                 hit[b] = 0
                 freq[b] = 0
-                if rec[0] in ghosts:  # (never None)
+                if is_ghost:
                     in_second[b] = 1
                     to_main(b)
                 else:

@@ -49,8 +49,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
-from itertools import accumulate, compress, repeat
-from operator import and_, eq, itemgetter, lshift, mod, not_, or_, rshift
+from itertools import compress, repeat
+from operator import and_, eq, itemgetter, lshift, mod, not_, or_
+
+import numpy as np
 
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
@@ -134,19 +136,23 @@ class LRU2Policy:
         if not blocks:
             return
         hist = self.history
-        m = hist.map
         clock = hist.clock
         n = len(blocks)
         # Shallowest first, as the sequence touched them (one tick each); keys in a chain are
         # distinct, so every earlier use is read before this release writes its own. The rank
         # is the earlier use's tick (0: none), capped at the parent's: a running minimum.
         keys = list(map(_key_of, map(self.index.stored.__getitem__, reversed(blocks))))
-        ranks = list(accumulate(map(rshift, map(m.get, keys, repeat(0, n)), repeat(8, n)), min))
+        partial = keys[-1] is None  # the deepest block may be partial (no key)
+        known = np.array(keys[:-1] if partial else keys, np.int64)
+        slots, earlier = hist.find(known)
+        ticks = np.where(earlier < 0, 0, earlier >> 8)
+        if partial:
+            ticks = np.append(ticks, 0)
+        ranks = np.minimum.accumulate(ticks).tolist()
         ranks.reverse()  # deepest first, as `blocks`
-        m.update(zip(keys, range((clock + 1) << 8, (clock + n + 1) << 8, 256)))
-        m.pop(None, None)  # a partial block's: never remembered
         hist.clock = clock + n
-        hist.settle()
+        hist.store(known, slots,
+                   np.arange(clock + 1, clock + known.size + 1, dtype=np.int64) << 8)
         if self._shadow_cap:
             self._shadow(keys, ranks)
         self._push_ranked(blocks, ranks, priority)

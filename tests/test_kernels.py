@@ -315,6 +315,58 @@ def test_two_pools_with_their_own_windows_and_copy_ops():
         DataPlane(SHAPE, [swa, PoolSpec(layers=(0, 1), num_gpu_slots=4)])
 
 
+READS = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__")
+"""Tensor methods that read a value back: on a GPU each makes the host wait for the GPU."""
+
+
+def count_waits(monkeypatch) -> dict[str, int]:
+    """Count, from now on, the calls that would make the host wait for a GPU: reads of tensor
+    values and `Tensor.to(device)` (from a CPU tensor: a pageable, synchronous copy)."""
+    counts: dict[str, int] = {}
+
+    def counted(name, orig, only_devices):
+        def f(self, *args, **kw):
+            if not only_devices or any(isinstance(x, (torch.device, str))
+                                       for x in (*args, *kw.values())):
+                counts[name] = counts.get(name, 0) + 1
+            return orig(self, *args, **kw)
+        return f
+
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name), False))
+    monkeypatch.setattr(torch.Tensor, "to", counted("to", torch.Tensor.to, True))
+    return counts
+
+
+@pytest.mark.parametrize("num_layers", [2, 12])
+def test_a_verified_step_waits_for_the_device_once(monkeypatch, num_layers):
+    """A verified step of decode items, a prefill chunk and a batch with scratch pages (run
+    and checked layer by layer) reads its verdicts back in one copy, whatever the number of
+    layers, items and batches; an unverified step reads nothing."""
+    shape = ModelShape(num_layers, 2, 4, 16, TPB, "bfloat16")
+    full = PoolSpec(layers=tuple(range(num_layers - 1)), num_gpu_slots=64)
+    swa = PoolSpec(layers=(num_layers - 1,), num_gpu_slots=16, window=6, num_scratch_slots=8)
+    toks = [tokens(41, seed) for seed in range(4)]
+
+    def step(verify: str):
+        dp = plane(full, swa, shape=shape, verify=verify)
+        dp.execute_step({}, [StepItem(r, toks[r], range(10 * r, 10 * r + 10), 0, 24)
+                             for r in range(3)])
+        items = [StepItem(r, toks[r], range(10 * r, 10 * r + 10), 24, 25) for r in range(3)]
+        items.append(StepItem(3, toks[3], range(30, 41), 0, 40))
+        items.append(StepItem(3, toks[3], [-1] * 8 + [4, 5, 6], 0, 40, pool=1,
+                              scratch=scratch_map(range(8), 16, 1)))
+        counts = count_waits(monkeypatch)
+        check = dp.execute_step({}, items)
+        monkeypatch.undo()
+        return check, counts
+
+    check, counts = step("all")
+    assert check.verified and counts == {"cpu": 1}
+    check, counts = step("off")
+    assert check.verified is None and counts == {}
+
+
 # --- dtypes, verification modes, backend resolution ---------------------------------------
 
 

@@ -317,8 +317,8 @@ def gather_keys(kv: torch.Tensor, batch: PagedBatch, keys: KeyIndex, layers: sli
     """K/V `[layers, keys, 2, kv_heads, head_dim]` (storage type) of `keys` read through the
     batch's page tables, for a range of layers and items."""
     k0, k1 = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
-    entry = torch.from_numpy(keys.entry[k0:k1]).to(kv.device)
-    slot = torch.from_numpy(keys.slot[k0:k1]).to(kv.device)
+    # Through the pinned ring: a pageable copy would make the host wait for the GPU.
+    entry, slot = to_device([keys.entry[k0:k1], keys.slot[k0:k1]], kv.device)
     pages = batch.pages_dev[layers][:, entry]
     g = pages.shape[0]
     got = kv.view(torch.uint8)[pages.reshape(-1), :, slot.repeat(g)].view(kv.dtype)
@@ -370,6 +370,7 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
         # float32 padded K and V, queries and outputs, scores and probabilities
         return 4 * G * b * (2 * mk * hk * d + 2 * mq * hq * d + 2 * hq * mq * mk)
 
+    groups: list[tuple[int, int, int, int]] = []
     s = 0
     while s < len(segs):
         # Group segments while the padded block fits.
@@ -381,19 +382,28 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
             if e > s and cost(e - s + 1, nq2, nk2) > budget:
                 break
             mq, mk, e = nq2, nk2, e + 1
-        group = segs[s:e]
-        B = len(group)
+        groups.append((s, e, mq, mk))
+        s = e
+    # Every group's index tables go to the device in one (asynchronous) copy.
+    tables = []
+    for s, e, mq, mk in groups:
+        B = e - s
         qidx = np.zeros((B, mq), np.int64)
         qpos = np.zeros((B, mq), np.int64)
         kidx = np.zeros((B, mk), np.int64)
         kpos = np.full((B, mk), np.iinfo(np.int64).max, np.int64)
-        for r, (i, a, b) in enumerate(group):
+        for r, (i, a, b) in enumerate(segs[s:e]):
             qidx[r, :b - a] = np.arange(a, b) - q_base
             qpos[r, :b - a] = batch.new_positions[a:b]
             k0, k1 = int(keys.indptr[i]), int(keys.indptr[i + 1])
             kidx[r, :k1 - k0] = np.arange(k0, k1) - k_base
             kpos[r, :k1 - k0] = keys.positions[k0:k1]
-        qi, qp, ki, kp = (torch.from_numpy(a).to(dev) for a in (qidx, qpos, kidx, kpos))
+        tables += (qidx, qpos, kidx, kpos)
+    uploaded = to_device(tables, dev)
+    for n, (s, e, mq, mk) in enumerate(groups):
+        group = segs[s:e]
+        B = len(group)
+        qi, qp, ki, kp = uploaded[4 * n:4 * n + 4]
         Q = q[:, qi.view(-1)].float().view(G, B, mq, hk, g, d)
         K = k[:, ki.view(-1)].float().view(G, B, mk, hk, d)
         V = v[:, ki.view(-1)].float().view(G, B, mk, hk, d)
@@ -410,7 +420,6 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
         o = o.reshape(G, B, mq, hq, d)
         for r, (i, a, b) in enumerate(group):
             yield a - q_base, b - q_base, o[:, r, :b - a]
-        s = e
 
 
 class TorchBackend:

@@ -51,7 +51,7 @@ from .copies import CopyExecutor
 from .model import ENCODER_SEED, SyntheticModel
 from .step import BackendUnavailable, Mismatch, ModelShape, PoolSpec, StepCheck, StepItem
 from .storage import QUERY_DTYPES, STORAGE_DTYPES, PoolTensors, make_pools
-from .verify import Verifier
+from .verify import Check, Verifier, settle
 
 VERIFY_MODES = ("all", "sample", "off")
 SAMPLE_RATE = 1 / 8
@@ -211,7 +211,7 @@ class DataPlane:
         marks.record("write")
         # Layered batches write before any whole batch attends: a beam's own item may read
         # the shared context its beam 0 writes this step from a batch with scratch pages.
-        worst, mismatch = self._run_layered(layered, step, buffer, check)
+        checks = self._run_layered(layered, step, buffer, check)
         outs = [self.backend.run(kv, batch, q, plan) for _, _, kv, batch, _, q, plan in attend]
         marks.record("attention")
         self.host_s += time.perf_counter() - t0
@@ -220,11 +220,11 @@ class DataPlane:
             times = None
         else:
             times = marks.totals()
+        worst, mismatch = 0.0, None
         if check:
-            for (verifier, pool, kv, batch, layers, q, _), out in zip(attend, outs):
-                err, found = verifier.check(step, kv, batch, pool, layers, q, out)
-                worst = max(worst, err)
-                mismatch = mismatch or found
+            checks += [verifier.check(step, kv, batch, pool, layers, q, out)
+                       for (verifier, pool, kv, batch, layers, q, _), out in zip(attend, outs)]
+            worst, mismatch = settle(checks)
         self.copied_blocks += copied
         self.copy_bytes += copy_bytes
         self._add_times(times)
@@ -268,13 +268,11 @@ class DataPlane:
                 tokens += len(batch.new_tokens)
         return writes, layered, attend, tokens
 
-    def _run_layered(self, layered: list, step: int, buffer: int, check: bool
-                     ) -> tuple[float, Mismatch | None]:
-        """Write and attend the batches with scratch pages one layer at a time, each layer
-        verified after it ran when `check` (the next layer reuses the scratch page).
-        Returns the largest error and the first mismatch."""
-        worst = 0.0
-        mismatch = None
+    def _run_layered(self, layered: list, step: int, buffer: int, check: bool) -> list[Check]:
+        """Write and attend the batches with scratch pages one layer at a time, each layer's
+        check queued after it ran when `check` (the next layer reuses the scratch page).
+        Returns the queued checks."""
+        checks = []
         for pool, batch, new_kv, q in layered:
             tensors = self.pools[pool]
             for local, layer in enumerate(tensors.spec.layers):
@@ -283,11 +281,9 @@ class DataPlane:
                 out = self.backend.run(tensors.gpu, part, q[local:local + 1],
                                        self.backend.plan(pool, part, buffer))
                 if check:
-                    err, found = self.verifier.check(step, tensors.gpu, part, pool, (layer,),
-                                                     q[local:local + 1], out)
-                    worst = max(worst, err)
-                    mismatch = mismatch or found
-        return worst, mismatch
+                    checks.append(self.verifier.check(step, tensors.gpu, part, pool, (layer,),
+                                                      q[local:local + 1], out))
+        return checks
 
     def _add_times(self, times: dict[str, float] | None) -> None:
         if times is not None:

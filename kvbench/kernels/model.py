@@ -110,7 +110,7 @@ class SyntheticModel:
         key = tuple(layers)
         gains = self._gains.get(key)
         if gains is None:
-            lay = torch.as_tensor(key, dtype=torch.int64).to(self.device)
+            lay = to_device([np.asarray(key, dtype=np.int64)], self.device)[0]
             gains = self._gains[key] = (self._token_gain[lay, None], self._pos_gain[lay, None])
         token_gain, pos_gain = gains
         num = len(key)
@@ -149,7 +149,7 @@ class SyntheticModel:
         key = ("exact",) + tuple(layers)
         cached = self._gains.get(key)
         if cached is None:
-            lay = torch.as_tensor(tuple(layers), dtype=torch.int64).to(self.device)
+            lay = to_device([np.asarray(layers, dtype=np.int64)], self.device)[0]
             tg, pg = self._token_gain[lay, :w], self._pos_gain[lay, :w]
             gt, gp = self._token_gain.abs().amax(), self._pos_gain.abs().amax()
             combo = (tg < 0).long() * 2 + (pg < 0).long()

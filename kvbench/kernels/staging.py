@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-RING_SLOTS = 16
+RING_SLOTS = 64
 """Pinned slots per device: more than the uploads in flight while the host runs two steps
-ahead (about three per step)."""
+ahead (about three per step, and five more per batch of a verified step)."""
 MIN_SLOT_BYTES = 64 * 1024
 
 

@@ -10,18 +10,23 @@ work per layer). Then the backend's output must match the reference attention
 model's, within the tolerance of the dtype.
 
 A batch is checked in tiles of items and layers (all layers at once unless an item's keys are
-too many for the memory budget), and the verdicts of every item and layer reach the host in
-one copy; the first mismatch in (layer, item) order is reported, a K/V mismatch before an
-attention one.
+too many for the memory budget). On a GPU the host never waits while a step's checks are
+queued (tables go up through the pinned ring, nothing is read back); the verdicts of every
+batch, item and layer of the step then reach the host in one copy (`settle`), and only a
+failure reads more. The first mismatch in (batch, layer, item) order is reported, a K/V
+mismatch before an attention one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from .attention import KeyIndex, PagedBatch, attend_segments, gather_keys, tile_bytes, tiles
 from .model import SyntheticModel
+from .staging import to_device
 from .step import Mismatch, StepItem
 from .storage import STORAGE_DTYPES
 
@@ -55,33 +60,51 @@ class Verifier:
         is the encoder's K/V generator."""
 
     def check(self, step: int, kv: torch.Tensor, batch: PagedBatch, pool: int,
-              layers: tuple[int, ...], q: torch.Tensor, out: torch.Tensor
-              ) -> tuple[float, Mismatch | None]:
-        """(max abs output error, first mismatch) over the batch's items and the pool's
-        `layers` (model layer ids); q and out are `[L, queries, q_heads, d]`."""
+              layers: tuple[int, ...], q: torch.Tensor, out: torch.Tensor) -> Check:
+        """Queue the checks of the batch's items at the pool's `layers` (model layer ids);
+        q and out are `[L, queries, q_heads, d]`. Nothing is read back: `settle` reads the
+        verdicts of a whole step in one copy. Everything a report needs is computed here, so
+        the pages may be overwritten before the step is settled (scratch pages are)."""
         keys = batch.item_keys(windowed=True)
         L, n = len(layers), len(batch.items)
         dev = kv.device
         s = self.model.shape
         kv_bad = torch.zeros((L, n), dtype=torch.float32, device=dev)
+        # Per (layer, item): the first key whose bits differ (`NO_KEY`: none) and its
+        # largest absolute K/V difference, for the report.
+        first_key = torch.full((L, n), NO_KEY, dtype=torch.int64, device=dev)
+        key_err = torch.zeros((L, n), dtype=torch.float32, device=dev)
         err_q = torch.zeros((L, int(batch.qo_indptr[-1])), dtype=torch.float32, device=dev)
         ref_q = torch.zeros_like(err_q)
         per_key = 2 * s.num_kv_heads * s.head_dim * 4
         budget = tile_bytes(dev)
         bits = _BITS[kv.element_size()]
-        rows_of: tuple[slice, torch.Tensor] | None = None
+        rows_of: tuple[slice, torch.Tensor, torch.Tensor] | None = None
         for lay, items in tiles(np.diff(keys.indptr), L, per_key, budget):
             k0, k1 = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
             if rows_of is None or rows_of[0] != items:
+                key_item = to_device([keys.item[k0:k1] - items.start], dev)[0]
                 rows_of = items, self.model.rows(batch_tokens(batch, keys, items),
-                                                 keys.positions[k0:k1])
+                                                 keys.positions[k0:k1]), key_item
+            key_item = rows_of[2]
             want = self.model.kv_exact(rows_of[1], layers[lay], self.dtype)
             got = gather_keys(kv, batch, keys, lay, items)
             # Bit for bit: any other bits than the model's (NaN included) are wrong.
-            wrong = (got.view(bits) != want.view(bits)).flatten(2).any(-1).float()
-            key_item = torch.from_numpy(keys.item[k0:k1]).to(dev)
-            kv_bad[lay].scatter_reduce_(1, key_item.expand(wrong.shape[0], -1), wrong, "amax")
-            del want
+            wrong = (got.view(bits) != want.view(bits)).flatten(2).any(-1)
+            G, m = wrong.shape[0], items.stop - items.start
+            kv_bad[lay, items] = torch.zeros((G, m), dtype=torch.float32, device=dev
+                                             ).scatter_reduce_(1, key_item.expand(G, -1),
+                                                               wrong.float(), "amax")
+            # The first wrong key of each item (keys ascend within an item).
+            key_no = torch.arange(k0, k1, dtype=torch.int64, device=dev).expand(G, -1)
+            first = torch.full((G, m), NO_KEY, dtype=torch.int64, device=dev).scatter_reduce_(
+                1, key_item.expand(G, -1), torch.where(wrong, key_no, int(NO_KEY)), "amin")
+            at = (first.clamp(max=k1 - 1) - k0).clamp(min=0)
+            g_at = got[torch.arange(G, device=dev)[:, None], at]
+            w_at = want[torch.arange(G, device=dev)[:, None], at]
+            first_key[lay, items] = first
+            key_err[lay, items] = (g_at.float() - w_at.float()).abs().amax(dim=(2, 3, 4))
+            del want, g_at, w_at
             # The reference reads the pages' K/V (in their storage type; upcast per segment):
             # where they differ from the model's, the K/V mismatch is what gets reported.
             q0 = int(batch.qo_indptr[items.start])
@@ -91,44 +114,32 @@ class Verifier:
                 o = out[lay, q0 + a:q0 + b].float()
                 err_q[lay, q0 + a:q0 + b] = (o - ref).abs().amax(dim=(2, 3))
                 ref_q[lay, q0 + a:q0 + b] = ref.abs().amax(dim=(2, 3))
-        tok_item = torch.from_numpy(batch.tok_batch).to(dev).expand(L, -1)
+        tok_item = to_device([batch.tok_batch], dev)[0].expand(L, -1)
         nan_q = torch.isnan(err_q).float()
         err_item = torch.zeros((L, n), dtype=torch.float32, device=dev).scatter_reduce_(
             1, tok_item, torch.nan_to_num(err_q, nan=0.0), "amax")
         ref_item = torch.zeros_like(err_item).scatter_reduce_(1, tok_item, ref_q, "amax")
         nan_item = torch.zeros_like(err_item).scatter_reduce_(1, tok_item, nan_q, "amax")
         attn_bad = (nan_item > 0) | (err_item > self.atol + self.rtol * ref_item)
-        verdict = torch.stack([kv_bad, attn_bad.float(), err_item]).cpu().numpy()
-        worst = float(verdict[2].max()) if verdict[2].size else 0.0
-        bad = (verdict[0] > 0) | (verdict[1] > 0)
-        if not bad.any():
-            return worst, None
-        l, i = (int(x) for x in np.argwhere(bad)[0])
-        return worst, self._report(step, kv, batch, pool, layers, keys, l, i,
-                                   verdict[0, l, i] > 0, err_q, ref_item)
+        return Check(self, step, batch, pool, layers, keys,
+                     torch.stack([kv_bad, attn_bad.float(), err_item]), first_key, key_err,
+                     err_q, ref_item)
 
-    def _report(self, step: int, kv: torch.Tensor, batch: PagedBatch, pool: int,
-                layers: tuple[int, ...], keys: KeyIndex, l: int, i: int, kv_wrong: bool,
-                err_q: torch.Tensor, ref_item: torch.Tensor) -> Mismatch:
+    def _report(self, c: Check, l: int, i: int, kv_wrong: bool) -> Mismatch:
         """The mismatch of item `i` at local layer `l`, the first failing one: its first wrong
-        key (`kv_wrong`) or its query with the largest attention error."""
+        key (`kv_wrong`) or its query with the largest attention error. Reads back what the
+        check left on the device (a mismatch may sync as it likes)."""
+        batch, layers = c.batch, c.layers
         it = batch.items[i]
         if kv_wrong:
-            # Recompute the item's keys at that layer for the report.
-            one = slice(i, i + 1)
-            k0, k1 = int(keys.indptr[i]), int(keys.indptr[i + 1])
-            rows = self.model.rows(batch_tokens(batch, keys, one), keys.positions[k0:k1])
-            want, _ = self.model.qkv_all(rows, (layers[l],), self.dtype, None)
-            got = gather_keys(kv, batch, keys, slice(l, l + 1), one)
-            d = (got.float() - want.float()).abs().amax(dim=(2, 3, 4))[0].cpu().numpy()
-            j = int(np.argmax(~(d == 0)))
-            return self._mismatch(step, it, batch, pool, i, l, layers[l], "kv",
-                                  int(keys.lo[i]) + j, float(d[j]), 0.0)
+            key = int(c.first_key[l, i])
+            return self._mismatch(c.step, it, batch, c.pool, i, l, layers[l], "kv",
+                                  int(c.keys.positions[key]), float(c.key_err[l, i]), 0.0)
         q0, q1 = int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1])
-        e = err_q[l, q0:q1].cpu().numpy()
+        e = c.err_q[l, q0:q1].cpu().numpy()
         j = int(np.argmax(np.nan_to_num(e, nan=np.inf)))
-        tol = self.atol + self.rtol * float(ref_item[l, i])
-        return self._mismatch(step, it, batch, pool, i, l, layers[l], "attention",
+        tol = self.atol + self.rtol * float(c.ref_item[l, i])
+        return self._mismatch(c.step, it, batch, c.pool, i, l, layers[l], "attention",
                               it.start + j, float(e.max()), tol)
 
     def _mismatch(self, step: int, it: StepItem, batch: PagedBatch, pool: int, i: int,
@@ -150,6 +161,54 @@ class Verifier:
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 """Integer views of the storage types, by element size, for bitwise comparison."""
+NO_KEY = np.iinfo(np.int64).max
+"""`Check.first_key` of a (layer, item) whose keys all hold the model's bits."""
+
+
+class Check:
+    """A batch's queued verdicts, on the device: `verdict` `[3, L, n]` (K/V wrong, attention
+    out of tolerance, largest attention error, per local layer and item), and what a report
+    of a failure reads (first wrong key and its error, per-query errors, reference scale)."""
+
+    __slots__ = ("verifier", "step", "batch", "pool", "layers", "keys", "verdict",
+                 "first_key", "key_err", "err_q", "ref_item")
+
+    def __init__(self, verifier: Verifier, step: int, batch: PagedBatch, pool: int,
+                 layers: tuple[int, ...], keys: KeyIndex, verdict: torch.Tensor,
+                 first_key: torch.Tensor, key_err: torch.Tensor, err_q: torch.Tensor,
+                 ref_item: torch.Tensor) -> None:
+        self.verifier = verifier
+        self.step = step
+        self.batch = batch
+        self.pool = pool
+        self.layers = layers
+        self.keys = keys
+        self.verdict = verdict
+        self.first_key = first_key
+        self.key_err = key_err
+        self.err_q = err_q
+        self.ref_item = ref_item
+
+
+def settle(checks: Sequence[Check]) -> tuple[float, Mismatch | None]:
+    """(largest attention error, first mismatch) of a step's checks, in their order: the
+    verdicts of every check reach the host in one copy (the step's one wait for the GPU);
+    the first failing (layer, item) of the first failing check is reported, a K/V mismatch
+    before an attention one."""
+    if not checks:
+        return 0.0, None
+    flat = torch.cat([c.verdict.reshape(-1) for c in checks]).cpu().numpy()
+    worst, mismatch, o = 0.0, None, 0
+    for c in checks:
+        verdict = flat[o:o + c.verdict.numel()].reshape(c.verdict.shape)
+        o += c.verdict.numel()
+        if verdict[2].size:
+            worst = max(worst, float(verdict[2].max()))
+        bad = (verdict[0] > 0) | (verdict[1] > 0)
+        if mismatch is None and bad.any():
+            l, i = (int(x) for x in np.argwhere(bad)[0])
+            mismatch = c.verifier._report(c, l, i, verdict[0, l, i] > 0)
+    return worst, mismatch
 
 
 def batch_tokens(batch: PagedBatch, keys, items: slice) -> np.ndarray:

@@ -41,13 +41,10 @@ def tile_bytes(device: torch.device) -> int:
 
 
 def _check_reach(items: list[StepItem], kv_start: np.ndarray, needed: np.ndarray,
-                 npages: np.ndarray, tpb: int) -> None:
+                 npages: np.ndarray, nblocks: np.ndarray, tpb: int) -> None:
     """Raise ValueError for the first item whose page table does not reach what its queries
     read: it starts after the first key needed, or has fewer blocks than its positions."""
-    n = len(items)
-    for i in np.flatnonzero((kv_start > needed)
-                            | (np.fromiter(map(len, (it.blocks for it in items)), np.int64,
-                                           n) < npages))[:1]:
+    for i in np.flatnonzero((kv_start > needed) | (nblocks < npages))[:1]:
         it = items[i]
         if kv_start[i] > needed[i]:
             raise ValueError(
@@ -111,13 +108,16 @@ class PagedBatch:
         self.tpb = tpb
         self.num_layers = num_layers
         n = len(items)
-        starts = np.fromiter((it.start for it in items), np.int64, n)
-        ends = np.fromiter((it.end for it in items), np.int64, n)
-        kv_start = np.fromiter((it.first_block for it in items), np.int64, n) * tpb
+        # One pass over the items' fields: start, end, first block, blocks, first token.
+        starts, ends, kv_start, nblocks, first_tokens = np.fromiter(
+            chain.from_iterable((it.start, it.end, it.first_block, len(it.blocks),
+                                 it.tokens[it.start]) for it in items),
+            np.int64, 5 * n).reshape(n, 5).T
+        kv_start = kv_start * tpb
         needed = np.maximum(0, starts - window + 1) if window else np.zeros(n, np.int64)
         kv_len = ends - kv_start
         npages = -(-kv_len // tpb)
-        _check_reach(items, kv_start, needed, npages, tpb)
+        _check_reach(items, kv_start, needed, npages, nblocks, tpb)
         kv_indptr = np.zeros(n + 1, np.int64)
         np.cumsum(npages, out=kv_indptr[1:])
         counts = ends - starts
@@ -142,8 +142,7 @@ class PagedBatch:
         self.new_positions = positions = (np.arange(int(qo_indptr[-1]), dtype=np.int64)
                                           + (starts - qo_indptr[:-1])[tok_batch])
         self.new_tokens = tokens = (
-            np.fromiter((it.tokens[it.start] for it in items), np.int64, n)
-            if qo_indptr[-1] == n else np.concatenate([np.asarray(it.tokens[it.start:it.end], dtype=np.int64)
+            first_tokens if qo_indptr[-1] == n else np.concatenate([np.asarray(it.tokens[it.start:it.end], dtype=np.int64)
                                  for it in items]))
         self.tok_rel = tok_rel = positions - kv_start[tok_batch]
         self.tok_page = tok_page = kv_indptr[tok_batch] + tok_rel // tpb
@@ -155,7 +154,7 @@ class PagedBatch:
             [pages, step, tok_page, tok_rel % tpb, table_rows(tokens, positions)], device)
         layers = _layer_range(num_layers, device)
         self.pages_dev = pages_d + (layers * step_d if has_scratch else layers)
-        self.write_page = self.pages_dev[:, tok_page_d]
+        self.write_page = self.pages_dev.index_select(1, tok_page_d)
         self.write_slot = slot_d
 
     def layer_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvbench.cache.manager import CacheSpec, KVCacheManager
 from kvbench.cache.policies import (POLICIES, POLICY_NAMES, GDSFParams, LRU2Params,
                                     PredictiveParams, S3FIFOParams, SLRUParams)
+from kvbench.cache.policies import base as policy_base
 from kvbench.traffic.request import Request
 from strategies import related_prompts
 from test_cache_manager import DataCheckingDriver, interleavings
@@ -404,10 +405,16 @@ def policy_scenarios(draw, name):
     return [req(p, q) for p, q in zip(ps, prios)], tpb, blocks, draw(_PARAMS[name])
 
 
+@pytest.mark.parametrize("backing", ["dict", "table"])
 @pytest.mark.parametrize("name,admission", [(n, "all") for n in POLICIES]
                          + [(n, "second_use") for n in POLICIES])
-def test_policy_matches_brute_force_reference(name, admission):
-    @settings(max_examples=150 if admission == "all" else 50, derandomize=True,
+def test_policy_matches_brute_force_reference(name, admission, backing, monkeypatch):
+    """Small pools keep their key histories in a dict; `table` forces the numpy table that
+    large pools use."""
+    if backing == "table":
+        monkeypatch.setattr(policy_base, "DICT_HISTORY_MAX", 0)
+    @settings(max_examples=(150 if admission == "all" else 50) // (1 + (backing == "table")),
+              derandomize=True,
               deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(policy_scenarios(name))
@@ -466,6 +473,41 @@ def test_invariants_with_every_policy(name, admission):
                 del state[seq]
         assert m.gpu.num_in_use == 0 and all(r == 0 for r in m.ref_count)
     check()
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(st.integers(1, 12),
+       st.lists(st.tuples(st.sampled_from(["batch", "each", "contains"]),
+                          st.lists(st.one_of(st.none(), st.integers(0, 60)), max_size=12)),
+                max_size=40))
+def test_key_history_backings_agree(capacity, calls):
+    """The dict and the numpy table give the same answers, settles included (hashed-alike
+    keys collide in the small table and probe)."""
+    small = policy_base.KeyHistory(capacity)
+    saved = policy_base.DICT_HISTORY_MAX
+    policy_base.DICT_HISTORY_MAX = 0
+    try:
+        large = policy_base.KeyHistory(capacity)
+    finally:
+        policy_base.DICT_HISTORY_MAX = saved
+    assert small._map is not None and large._map is None
+    for kind, raw in calls:
+        keys = list(dict.fromkeys(k * 64 + 63 if k is not None else None for k in raw))
+        if kind == "contains":
+            assert small.contains(keys) == large.contains(keys)
+        elif kind == "each":
+            assert small.record_each(keys) == large.record_each(keys)
+        else:
+            known = np.array([k for k in keys if k is not None], np.int64)
+            got = []
+            for h in (small, large):
+                slots, entries = h.find(known.copy())
+                got.append(entries.tolist())
+                h.clock += known.size
+                h.store(known.copy(), slots,
+                        (np.arange(h.clock - known.size + 1, h.clock + 1) << 8) | 7)
+            assert got[0] == got[1]
+        assert small.clock == large.clock and len(small) == len(large)
 
 
 # --- LRU untouched, serve mode, requests.skip, tune --holdout ---------------------------------

@@ -33,6 +33,10 @@ _EMPTY = -1
 trace keys are non-negative)."""
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
+DICT_HISTORY_MAX = 1 << 15
+"""The largest `KeyHistory` capacity kept in a dict (at most twice that many keys: a few MB,
+which stays in the CPU caches); larger ones use the numpy table."""
+
 
 class KeyHistory:
     """Bounded memory of the keys used lately: `key -> (clock << 8) | small payload`.
@@ -45,26 +49,37 @@ class KeyHistory:
     `capacity` keys are written in that many ticks), so a key is remembered for between
     `capacity` and about `2 x capacity` ticks, in amortised O(1).
 
-    An open-addressing table (linear probing) over two int64 arrays, read and written a batch
-    of distinct keys at a time with numpy: the history is several times the pool, so a dict
-    of it misses the CPU caches on every access, one access at a time; a batch overlaps them."""
+    Two backings, chosen by `capacity` at construction, with the same results. A large
+    history (several times the pool: 2Q, GDSF, admission) is an open-addressing table (linear
+    probing) over two int64 arrays, read and written a batch of distinct keys at a time with
+    numpy: a dict of it misses the CPU caches on every access, one access at a time; a batch
+    overlaps them. A small one (S3-FIFO's ghosts, about the pool) is a dict: it stays in the
+    CPU caches, and a few dict operations per block cost less than a numpy batch per call on
+    the short runs that S3-FIFO reads and writes."""
 
-    __slots__ = ("capacity", "clock", "count", "_keys", "_entries", "_mask", "_shift")
+    __slots__ = ("capacity", "clock", "count", "_keys", "_entries", "_mask", "_shift", "_map")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self.clock = 0
         self.count = 0
-        """Keys remembered."""
+        """Keys remembered (the table's; the dict's is its length)."""
+        self._map: dict[BlockKey, int] | None = (
+            {} if self.capacity <= DICT_HISTORY_MAX else None)
+        """The dict backing, or None for the table."""
         self._alloc(16)  # grows to stay at most half full
 
     def __len__(self) -> int:
-        return self.count
+        return self.count if self._map is None else len(self._map)
 
     def find(self, keys: np.ndarray, slots: np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray]:
         """The slots of distinct `keys` (int64) and their entries (-1: not remembered): where
-        each key is, else the free slot ending its probe (from `slots`, or its home)."""
+        each key is, else the free slot ending its probe (from `slots`, or its home). With
+        the dict backing the slots are the keys."""
+        if self._map is not None:
+            get = self._map.get
+            return keys, np.array([get(k, -1) for k in keys.tolist()], np.int64)
         table, mask = self._keys, self._mask
         if slots is None:  # home slots by Fibonacci hashing: trace keys are structured ints
             slots = ((keys.view(np.uint64) * _MIX) >> self._shift).view(np.int64)
@@ -79,6 +94,12 @@ class KeyHistory:
     def store(self, keys: np.ndarray, slots: np.ndarray, entries: np.ndarray) -> None:
         """Remember `entries` for distinct `keys` at their `slots` from `find` (nothing
         stored since); then drop old keys if the history is full."""
+        m = self._map
+        if m is not None:
+            m.update(zip(keys.tolist(), entries.tolist()))
+            if len(m) > 2 * self.capacity:
+                self._settle()
+            return
         table = self._keys
         new = np.flatnonzero(table[slots] != keys)
         if 2 * (self.count + new.size) > len(table):  # keep the table at most half full
@@ -101,6 +122,8 @@ class KeyHistory:
 
     def contains(self, keys: list) -> list[bool]:
         """Whether each of `keys` (None: never) is remembered."""
+        if self._map is not None:
+            return list(map(self._map.__contains__, keys))
         known = [k for k in keys if k is not None] if None in keys else keys
         _, entries = self.find(np.array(known, np.int64))
         seen = (entries >= 0).tolist()
@@ -113,6 +136,24 @@ class KeyHistory:
         """Record each of `keys` (distinct; None is skipped, as never seen) at its own tick,
         exactly as one at a time with a settle after each; returns whether each was
         remembered just before."""
+        m = self._map
+        if m is not None:
+            seen = []
+            was = seen.append
+            clock, most = self.clock, 2 * self.capacity
+            for k in keys:
+                if k is None:
+                    was(False)
+                    continue
+                clock += 1
+                was(k in m)
+                m[k] = clock << 8
+                if len(m) > most:
+                    self.clock = clock
+                    self._settle()
+                    m = self._map
+            self.clock = clock
+            return seen
         known = [k for k in keys if k is not None] if None in keys else keys
         if not known:
             return [False] * len(keys)
@@ -141,6 +182,9 @@ class KeyHistory:
 
     def _settle(self) -> None:
         cut = (self.clock - self.capacity) << 8
+        if self._map is not None:
+            self._map = {k: e for k, e in self._map.items() if e >= cut}
+            return
         self._rebuild((self._keys != _EMPTY) & (self._entries >= cut), len(self._keys))
 
     def _rebuild(self, keep: np.ndarray, size: int) -> None:

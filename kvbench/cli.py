@@ -94,9 +94,7 @@ def run(
     """Replay a workload's requests through the cache and report reuse, memory and traffic."""
     from .config import load_workload
     from .outfile import output_file
-    from .report.tables import print_metrics
     from .results import build_result, check_unique_names
-    from .runner import run_workload
 
     # Every output is checked before the run, so a long run never fails at its end.
     json_out = output_file(json_path, "--json") if json_path is not None else None
@@ -111,23 +109,7 @@ def run(
     tables = err if json_out is not None and json_out.is_stdout else out
     for wl in loaded:
         _warn(wl)
-    per_workload = []
-    for wl in loaded:
-        show = not quiet and wl.run.progress
-        if not quiet:
-            from .config import resolve_path
-            from .traffic import describe_source
-
-            header = describe_source(wl.requests, resolve_path(wl, "."))
-            if header is not None:
-                err.print(header, highlight=False, markup=False, soft_wrap=True)
-        with _progress(show) as factory:
-            outcomes = [o for _ in range(repeat) for o in run_workload(wl, factory)]
-        per_workload.append(outcomes)
-        if not quiet:
-            print_metrics(tables, wl.name, [(o.variant, o.metrics) for o in outcomes],
-                          wl.variant_differences(), bool(set_))
-    result = build_result(per_workload)
+    result = build_result([_replay(wl, repeat, quiet, tables, bool(set_)) for wl in loaded])
     if json_out is not None:
         json_out.write_text(_json_text(result))
         if not quiet and not json_out.is_stdout:
@@ -140,6 +122,27 @@ def run(
         if not quiet:
             also = (f"; kept {', '.join(kept)} from it (--replace drops them)" if kept else "")
             err.print(f"updated baseline {update_baseline}{also}")
+
+
+def _replay(wl, repeat: int, quiet: bool, tables, overridden: bool) -> list:
+    """`run` for one loaded workload: its outcomes, each variant `repeat` times, with its
+    traffic header, progress bar and metrics table unless `quiet`."""
+    from .report.tables import print_metrics
+    from .runner import run_workload
+
+    if not quiet:
+        from .config import resolve_path
+        from .traffic import describe_source
+
+        header = describe_source(wl.requests, resolve_path(wl, "."))
+        if header is not None:
+            err.print(header, highlight=False, markup=False, soft_wrap=True)
+    with _progress(not quiet and wl.run.progress) as factory:
+        outcomes = [o for _ in range(repeat) for o in run_workload(wl, factory)]
+    if not quiet:
+        print_metrics(tables, wl.name, [(o.variant, o.metrics) for o in outcomes],
+                      wl.variant_differences(), overridden)
+    return outcomes
 
 
 def _warn(workload) -> None:

@@ -66,16 +66,8 @@ class HostTier:
             evicted = len(old)
             dsts.extend(old)
         srcs = victims[:len(dsts)]
-        # Queue the bulk-placed victims in eviction order, one run per priority level.
-        run_start, m = 0, len(srcs)
-        for i in range(1, m + 1):
-            if i == m or prio[srcs[i]] != prio[srcs[run_start]]:
-                level = prio[srcs[run_start]]
-                run = dsts[run_start:i]
-                for h in run:
-                    prio[h] = level
-                fq.push_back_many(run, level)
-                run_start = i
+        self._queue_placed(srcs, dsts)
+        m = len(srcs)
         if m < n:
             evicted += self._offload_one_by_one(victims[m:], srcs, dsts, drop)
         if self._expiring:
@@ -97,6 +89,20 @@ class HostTier:
         held = host.capacity - len(empty)
         if held > self.peak_host_blocks:
             self.peak_host_blocks = held
+
+    def _queue_placed(self, srcs: list[BlockId], dsts: list[BlockId]) -> None:
+        """Queue the bulk-placed victims' host blocks `dsts` in eviction order, one run per
+        priority level; each takes its victim's priority."""
+        prio, fq = self.priority, self.host.free_queue
+        run_start, m = 0, len(srcs)
+        for i in range(1, m + 1):
+            if i == m or prio[srcs[i]] != prio[srcs[run_start]]:
+                level = prio[srcs[run_start]]
+                run = dsts[run_start:i]
+                for h in run:
+                    prio[h] = level
+                fq.push_back_many(run, level)
+                run_start = i
 
     def _offload_one_by_one(self, victims: list[BlockId], srcs: list[BlockId],
                             dsts: list[BlockId], drop: list[BlockId]) -> int:

@@ -1,4 +1,18 @@
-"""Cache mode: requests replayed one at a time in arrival order, no decode (DESIGN.md 3)."""
+"""Cache mode: requests replayed one at a time in arrival order, no decode (DESIGN.md 3).
+
+A `WindowedCacheManager` (sliding-window layers) runs the same loop as a full-attention one:
+its `resize` begins the request's one prefill step over every pool (out-of-window prompt
+blocks go to scratch slots when that is on), its `commit` ends it, and `gpu` sums the pools
+for the timeline; so `in_use` is read before the commit, while the step's scratch slots are
+held.
+
+With a `cross` cache (`engine/cross.py`) a request's encoder input is added, written and
+released there beside its prompt; on the data plane the step writes its encoder K/V and the
+prompt's queries attend to them.
+
+With a draft model (a mirrored cache, `cache/mirror.py`) every call reaches its pools too,
+and its `draft_plane` computes the same prompt positions in its own shape.
+"""
 
 from __future__ import annotations
 
@@ -37,19 +51,8 @@ def replay_cache_mode(
     mark it computed, release. Raises ValueError if a request cannot get its blocks (the caller
     checks sizes first, so this means a bug, not bad input). With a `data_plane`
     (`kvbench.kernels.dataplane.DataPlane`; the manager must emit copy ops) each request is one
-    data-plane step that computes the prompt past its reused prefix.
-
-    A `WindowedCacheManager` (sliding-window layers) runs the same loop: its `resize` begins
-    the request's one prefill step over every pool (out-of-window prompt blocks go to scratch
-    slots when that is on), its `commit` ends it, and `gpu` sums the pools for the timeline;
-    so `in_use` is read before the commit, while the step's scratch slots are held.
-
-    With a `cross` cache (`engine/cross.py`) a request's encoder input is added, written and
-    released there beside its prompt; on the data plane the step writes its encoder K/V and
-    the prompt's queries attend to them.
-
-    With a draft model (a mirrored cache, `cache/mirror.py`) every call reaches its pools
-    too, and its `draft_plane` computes the same prompt positions in its own shape."""
+    data-plane step that computes the prompt past its reused prefix. Windowed managers, a
+    `cross` cache and a draft model (`draft_plane`): see the module docstring."""
     timeline = Timeline("request", ("reused_tokens", "prompt_tokens", "in_use", "cached", "free"),
                         sums=("reused_tokens", "prompt_tokens"))
     cols = timeline.columns
@@ -72,9 +75,7 @@ def replay_cache_mode(
         if data_plane is not None:
             _data_plane_step(data_plane, manager, r, seq, cross, cseq)
         if draft_plane is not None:
-            draft_plane.execute_step(draft.drain_copy_ops(), step_items(
-                draft, r.id, manager.draft_of(seq), seq.num_computed, r.input_length,
-                lambda beam: r.prompt_tokens()))
+            _draft_step(draft_plane, manager, r, seq)
         if draft is not None:
             d = manager.draft_of(seq)
             draft_full += d.reused_full_blocks
@@ -101,6 +102,15 @@ def replay_cache_mode(
         on_progress(len(requests) % progress_every)
     return CacheModeResult(prompt, reused, host, full, partial, partial_blocks, timeline, tally,
                            draft_full, draft_partial)
+
+
+def _draft_step(draft_plane, manager: CacheManager, r: Request, seq) -> None:
+    """The draft model's data-plane step for a request: the prompt positions its target
+    computes, in the draft's pools."""
+    draft = manager.draft
+    draft_plane.execute_step(draft.drain_copy_ops(), step_items(
+        draft, r.id, manager.draft_of(seq), seq.num_computed, r.input_length,
+        lambda beam: r.prompt_tokens()))
 
 
 def _encode(cross: KVCacheManager, r: Request):

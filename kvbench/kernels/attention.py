@@ -81,6 +81,14 @@ def _first_layer_pages(items: list[StepItem], npages: np.ndarray, kv_indptr: np.
     return pages, mask
 
 
+def _check_scratch_pages(scratch_pages: np.ndarray, spec, num_layers: int) -> None:
+    """Raises ValueError for a scratch page outside the pool's GPU tensor (GPU and scratch
+    slots, every layer)."""
+    total_pages = spec.num_gpu_slots + spec.num_scratch_slots
+    if not ((scratch_pages >= 0) & (scratch_pages < total_pages * num_layers)).all():
+        raise ValueError("a scratch page lies outside the pool's GPU tensor")
+
+
 class PagedBatch:
     """One pool's items of one kind (context or decode) in a step, as page tables."""
 
@@ -133,17 +141,14 @@ class PagedBatch:
         self.pages = pages
         self.scratch_mask = mask
         self.has_scratch = has_scratch = bool(mask.any())
-        total_pages = spec.num_gpu_slots + spec.num_scratch_slots
-        if has_scratch and not (
-                (pages[mask] >= 0) & (pages[mask] < total_pages * num_layers)).all():
-            raise ValueError("a scratch page lies outside the pool's GPU tensor")
+        if has_scratch:
+            _check_scratch_pages(pages[mask], spec, num_layers)
         # The step's computed tokens, flattened in item order.
         self.tok_batch = tok_batch = np.repeat(np.arange(n, dtype=np.int64), counts)
         self.new_positions = positions = (np.arange(int(qo_indptr[-1]), dtype=np.int64)
                                           + (starts - qo_indptr[:-1])[tok_batch])
-        self.new_tokens = tokens = (
-            first_tokens if qo_indptr[-1] == n else np.concatenate([np.asarray(it.tokens[it.start:it.end], dtype=np.int64)
-                                 for it in items]))
+        self.new_tokens = tokens = (first_tokens if qo_indptr[-1] == n else np.concatenate(
+            [np.asarray(it.tokens[it.start:it.end], dtype=np.int64) for it in items]))
         self.tok_rel = tok_rel = positions - kv_start[tok_batch]
         self.tok_page = tok_page = kv_indptr[tok_batch] + tok_rel // tpb
         self.device = device
@@ -342,21 +347,12 @@ def tiles(key_counts: np.ndarray, num_layers: int, key_bytes: int,
         i = j
 
 
-def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch,
-                    keys: KeyIndex, items: slice, window: int | None,
-                    budget: int = TILE_BYTES) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """Reference attention of a tile, in float32: `q` `[G, tile queries, q_heads, d]`, `k` and
-    `v` `[G, tile keys, kv_heads, d]` (the items of `items`, in order). Yields
-    (first query, end query, output `[G, queries, q_heads, d]`) per segment, query indices
-    counted from the tile's first query. Items are padded to the segment's longest run of keys
-    and queries; query runs are cut so that scores stay under `budget` bytes."""
-    G, _, hq, d = q.shape
-    hk = k.shape[2]
-    g = hq // hk
-    dev = q.device
-    q_base = int(batch.qo_indptr[items.start])
-    k_base = int(keys.indptr[items.start])
-    # Segments: (item, first query, end query) with query runs cut to fit the budget.
+def _plan_segments(batch: PagedBatch, keys: KeyIndex, items: slice, G: int, hq: int, hk: int,
+                   d: int, budget: int
+                   ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int, int]]]:
+    """`attend_segments`' plan: the segments (item, first query, end query), query runs cut
+    to fit `budget`, and their groups (first segment, end segment, padded queries, padded
+    keys), consecutive segments grouped while the padded block fits."""
     segs: list[tuple[int, int, int]] = []
     for i in range(items.start, items.stop):
         q0, q1 = int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1])
@@ -372,7 +368,6 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
     groups: list[tuple[int, int, int, int]] = []
     s = 0
     while s < len(segs):
-        # Group segments while the padded block fits.
         e, mq, mk = s, 0, 0
         while e < len(segs):
             i, a, b = segs[e]
@@ -383,6 +378,24 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
             mq, mk, e = nq2, nk2, e + 1
         groups.append((s, e, mq, mk))
         s = e
+    return segs, groups
+
+
+def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch,
+                    keys: KeyIndex, items: slice, window: int | None,
+                    budget: int = TILE_BYTES) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Reference attention of a tile, in float32: `q` `[G, tile queries, q_heads, d]`, `k` and
+    `v` `[G, tile keys, kv_heads, d]` (the items of `items`, in order). Yields
+    (first query, end query, output `[G, queries, q_heads, d]`) per segment, query indices
+    counted from the tile's first query. Items are padded to the segment's longest run of keys
+    and queries; query runs are cut so that scores stay under `budget` bytes."""
+    G, _, hq, d = q.shape
+    hk = k.shape[2]
+    g = hq // hk
+    dev = q.device
+    q_base = int(batch.qo_indptr[items.start])
+    k_base = int(keys.indptr[items.start])
+    segs, groups = _plan_segments(batch, keys, items, G, hq, hk, d, budget)
     # Every group's index tables go to the device in one (asynchronous) copy.
     tables = []
     for s, e, mq, mk in groups:

@@ -220,19 +220,27 @@ class DataPlane:
             times = None
         else:
             times = marks.totals()
-        worst, mismatch = 0.0, None
         if check:
             checks += [verifier.check(step, kv, batch, pool, layers, q, out)
                        for (verifier, pool, kv, batch, layers, q, _), out in zip(attend, outs)]
+        return self._finish_step(step, checks if check else None, times, copied, copy_bytes,
+                                 t_start)
+
+    def _finish_step(self, step: int, checks: list | None, times: dict | None, copied: int,
+                     copy_bytes: int, t_start: float) -> StepCheck:
+        """`execute_step`'s end: settle the step's queued checks (`None`: not verified), add
+        the step to the run's totals and report it."""
+        worst, mismatch = 0.0, None
+        if checks is not None:
             worst, mismatch = settle(checks)
-        self.copied_blocks += copied
-        self.copy_bytes += copy_bytes
-        self._add_times(times)
-        if check:
             self.verified_steps += 1
             self.max_abs_err = max(self.max_abs_err, worst)
             self.first_mismatch = self.first_mismatch or mismatch
+        self.copied_blocks += copied
+        self.copy_bytes += copy_bytes
+        self._add_times(times)
         self.wall_s += time.perf_counter() - t_start
+        check = checks is not None
         t = times or {}
         return StepCheck(
             step=step, verified=(mismatch is None) if check else None,

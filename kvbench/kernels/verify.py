@@ -114,16 +114,25 @@ class Verifier:
                 o = out[lay, q0 + a:q0 + b].float()
                 err_q[lay, q0 + a:q0 + b] = (o - ref).abs().amax(dim=(2, 3))
                 ref_q[lay, q0 + a:q0 + b] = ref.abs().amax(dim=(2, 3))
-        tok_item = to_device([batch.tok_batch], dev)[0].expand(L, -1)
+        err_item, ref_item, attn_bad = self._attention_verdicts(batch, err_q, ref_q)
+        return Check(self, step, batch, pool, layers, keys,
+                     torch.stack([kv_bad, attn_bad.float(), err_item]), first_key, key_err,
+                     err_q, ref_item)
+
+    def _attention_verdicts(self, batch: PagedBatch, err_q: torch.Tensor, ref_q: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per (layer, item), from the per-query errors and reference magnitudes `[L,
+        queries]`: the largest error (NaN counted apart), the largest reference magnitude,
+        and whether the item's attention is wrong (a NaN, or an error past the tolerance)."""
+        L, n = err_q.shape[0], len(batch.items)
+        tok_item = to_device([batch.tok_batch], err_q.device)[0].expand(L, -1)
         nan_q = torch.isnan(err_q).float()
-        err_item = torch.zeros((L, n), dtype=torch.float32, device=dev).scatter_reduce_(
+        err_item = torch.zeros((L, n), dtype=torch.float32, device=err_q.device).scatter_reduce_(
             1, tok_item, torch.nan_to_num(err_q, nan=0.0), "amax")
         ref_item = torch.zeros_like(err_item).scatter_reduce_(1, tok_item, ref_q, "amax")
         nan_item = torch.zeros_like(err_item).scatter_reduce_(1, tok_item, nan_q, "amax")
         attn_bad = (nan_item > 0) | (err_item > self.atol + self.rtol * ref_item)
-        return Check(self, step, batch, pool, layers, keys,
-                     torch.stack([kv_bad, attn_bad.float(), err_item]), first_key, key_err,
-                     err_q, ref_item)
+        return err_item, ref_item, attn_bad
 
     def _report(self, c: Check, l: int, i: int, kv_wrong: bool) -> Mismatch:
         """The mismatch of item `i` at local layer `l`, the first failing one: its first wrong

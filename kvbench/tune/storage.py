@@ -97,17 +97,7 @@ def open_storage(plan: Plan):
     interval = plan.job.heartbeat_s
     grace = 3 * interval
     if url.startswith("journal:"):
-        from optuna.storages.journal import JournalFileBackend
-
-        path = Path(url[len("journal:"):]).expanduser()
-        if path.is_dir() or not path.name:
-            raise InputError(f"--storage {url}: expected a journal file, not a folder")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            backend = JournalFileBackend(str(path))
-        except OSError as exc:
-            raise TuneError(f"cannot open journal {path}: {exc.strerror or exc}") from None
-        return _journal_storage_class()(backend, interval, grace, _retry_callback())
+        return _journal_storage(url, interval, grace)
     if "://" not in url:
         raise InputError(f"--storage {url}: expected an Optuna storage URL (sqlite:///FILE, "
                          "postgresql://USER@HOST/DB, ...) or journal:PATH")
@@ -152,6 +142,21 @@ def open_storage(plan: Plan):
             time.sleep(0.5 * (attempt + 1))
     detail = " ".join(str(getattr(last, "orig", None) or last).split())
     raise TuneError(f"cannot open storage {display_url(url)}: {detail}")
+
+
+def _journal_storage(url: str, interval: float, grace: float):
+    """`open_storage` for a `journal:PATH` URL: a journal file, created with its folder."""
+    from optuna.storages.journal import JournalFileBackend
+
+    path = Path(url[len("journal:"):]).expanduser()
+    if path.is_dir() or not path.name:
+        raise InputError(f"--storage {url}: expected a journal file, not a folder")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        backend = JournalFileBackend(str(path))
+    except OSError as exc:
+        raise TuneError(f"cannot open journal {path}: {exc.strerror or exc}") from None
+    return _journal_storage_class()(backend, interval, grace, _retry_callback())
 
 
 def _sqlite_creator(path: str) -> Callable:

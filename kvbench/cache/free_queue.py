@@ -127,11 +127,6 @@ class FreeQueue:
         self.remove(block)
         self.push_back(block, priority)
 
-    def lowest_level(self) -> int:
-        """The lowest level holding a block, or NUM_PRIORITY_LEVELS when empty."""
-        mask = self._nonempty
-        return (mask & -mask).bit_length() - 1 if mask else NUM_PRIORITY_LEVELS
-
     def lowest_fifo(self, mask: int = -1) -> int:
         """The lowest non-empty FIFO among those set in `mask`, or -1 if none."""
         m = self._nonempty & mask

@@ -38,6 +38,19 @@ DICT_HISTORY_MAX = 1 << 15
 which stays in the CPU caches); larger ones use the numpy table."""
 
 
+def _keyed(keys: list, answer) -> list[bool]:
+    """`answer(known)` for the keys that are not None, spread back over `keys` with False
+    for each None (a block without a key was never seen)."""
+    known = [k for k in keys if k is not None] if None in keys else keys
+    if not known:
+        return [False] * len(keys)
+    seen = answer(known)
+    if known is keys:
+        return seen
+    it = iter(seen)
+    return [False if k is None else next(it) for k in keys]
+
+
 class KeyHistory:
     """Bounded memory of the keys used lately: `key -> (clock << 8) | small payload`.
 
@@ -67,7 +80,8 @@ class KeyHistory:
         self._map: dict[BlockKey, int] | None = (
             {} if self.capacity <= DICT_HISTORY_MAX else None)
         """The dict backing, or None for the table."""
-        self._alloc(16)  # grows to stay at most half full
+        if self._map is None:
+            self._alloc(16)  # grows to stay at most half full
 
     def __len__(self) -> int:
         return self.count if self._map is None else len(self._map)
@@ -124,13 +138,7 @@ class KeyHistory:
         """Whether each of `keys` (None: never) is remembered."""
         if self._map is not None:
             return list(map(self._map.__contains__, keys))
-        known = [k for k in keys if k is not None] if None in keys else keys
-        _, entries = self.find(np.array(known, np.int64))
-        seen = (entries >= 0).tolist()
-        if known is keys:
-            return seen
-        it = iter(seen)
-        return [False if k is None else next(it) for k in keys]
+        return _keyed(keys, lambda known: (self.find(np.array(known, np.int64))[1] >= 0).tolist())
 
     def record_each(self, keys: list) -> list[bool]:
         """Record each of `keys` (distinct; None is skipped, as never seen) at its own tick,
@@ -154,14 +162,8 @@ class KeyHistory:
                     m = self._map
             self.clock = clock
             return seen
-        known = [k for k in keys if k is not None] if None in keys else keys
-        if not known:
-            return [False] * len(keys)
-        seen = self._record_each(np.array(known, np.int64), self.clock + 1).tolist()
-        if known is keys:
-            return seen
-        it = iter(seen)
-        return [False if k is None else next(it) for k in keys]
+        return _keyed(keys, lambda known: self._record_each(np.array(known, np.int64),
+                                                            self.clock + 1).tolist())
 
     def _record_each(self, keys: np.ndarray, first_tick: int) -> np.ndarray:
         seen = np.empty(keys.size, bool)

@@ -56,10 +56,10 @@ def main() -> None:
           if args.markdown else head)
     for trace in args.traces.split(","):
         requests = _requests(trace)
+        largest = max(requests, key=lambda r: r.input_length)
+        need = -(-largest.input_length // args.tpb)
         for cap in (int(c) for c in args.capacities.split(",")):
             blocks = cap // args.tpb
-            largest = max(requests, key=lambda r: r.input_length)
-            need = -(-largest.input_length // args.tpb)
             if need > blocks:  # `kvbench run` refuses such a run, and neither replay fits it
                 print(f"# {trace} {cap}: skipped: request {largest.id} needs {need} blocks, "
                       f"the pool holds {blocks}", flush=True)

@@ -146,6 +146,11 @@ def load_profile(path: Path) -> HardwareProfile:
     )
 
 
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", list: "a list",
+               dict: "a mapping"}
+"""What a profile key of each YAML type is called in an error."""
+
+
 class _Reader:
     __slots__ = ("path", "doc")
 
@@ -160,11 +165,11 @@ class _Reader:
         node = self.doc
         for part in key.split("."):
             if not isinstance(node, dict) or part not in node:
-                raise self.fail(key, f"a {kind.__name__} (missing)")
+                raise self.fail(key, f"{_KIND_NAMES[kind]} (missing)")
             node = node[part]
         if kind in (int, float) and isinstance(node, bool) or not (
                 isinstance(node, kind) or kind is float and isinstance(node, int)):
-            raise self.fail(key, f"a {kind.__name__} (got {node!r:.40})")
+            raise self.fail(key, f"{_KIND_NAMES[kind]} (got {node!r:.40})")
         return node
 
     def number(self, key: str) -> float:

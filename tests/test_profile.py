@@ -71,6 +71,7 @@ def test_yaml_round_trip(tmp_path, chat):
                                                          "positive number"),
     (lambda d: d["prefill_attention"]["ms"].pop(), "prefill_attention.ms: expected 4 rows"),
     (lambda d: d.update(kvbench_profile=2), "kvbench_profile: expected 1"),
+    (lambda d: d.pop("kvbench_profile"), "kvbench_profile: expected an integer (missing)"),
 ])
 def test_bad_profiles_are_one_line_input_errors(tmp_path, chat, capsys, edit, message):
     import yaml

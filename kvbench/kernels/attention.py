@@ -325,8 +325,27 @@ def gather_keys(kv: torch.Tensor, batch: PagedBatch, keys: KeyIndex, layers: sli
     entry, slot = to_device([keys.entry[k0:k1], keys.slot[k0:k1]], kv.device)
     pages = batch.pages_dev[layers][:, entry]
     g = pages.shape[0]
-    got = kv.view(torch.uint8)[pages.reshape(-1), :, slot.repeat(g)].view(kv.dtype)
-    return got.view(g, k1 - k0, *kv.shape[1:2], *kv.shape[3:])
+    # One row per (page, K or V, slot): a key's K or V of every head, copied whole by one
+    # row gather (advanced indexing on bytes moves one byte per element).
+    tpb = kv.shape[2]
+    k_row = pages * (2 * tpb) + slot
+    rows = torch.stack((k_row, k_row + tpb), -1)
+    got = wide_rows(kv).index_select(0, rows.reshape(-1))
+    return got.view(kv.dtype).view(g, k1 - k0, *kv.shape[1:2], *kv.shape[3:])
+
+
+def wide_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` `[..., heads, head_dim]` as rows of its last two dims, each row viewed as
+    `widest_int` of its bytes."""
+    row = x.shape[-2] * x.shape[-1]
+    return x.reshape(-1, row).view(widest_int(row * x.element_size()))
+
+
+def widest_int(nbytes: int) -> torch.dtype:
+    """The widest integer type `nbytes` divide into: row copies and bit comparisons then move
+    8 bytes per element where they can (a GPU moves one element per thread step)."""
+    return next(t for t in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                if nbytes % t.itemsize == 0)
 
 
 def tiles(key_counts: np.ndarray, num_layers: int, key_bytes: int,
@@ -412,23 +431,24 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
             kpos[r, :k1 - k0] = keys.positions[k0:k1]
         tables += (qidx, qpos, kidx, kpos)
     uploaded = to_device(tables, dev)
+    # Heads outside the items: the gathers below then give each (layer, KV head, item)
+    # matrix contiguously, so the matmuls read them without a relayout copy.
+    qh = q.view(G, q.shape[1], hk, g, d).transpose(1, 2)
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)
     for n, (s, e, mq, mk) in enumerate(groups):
         group = segs[s:e]
         B = len(group)
         qi, qp, ki, kp = uploaded[4 * n:4 * n + 4]
-        Q = q[:, qi.view(-1)].float().view(G, B, mq, hk, g, d)
-        K = k[:, ki.view(-1)].float().view(G, B, mk, hk, d)
-        V = v[:, ki.view(-1)].float().view(G, B, mk, hk, d)
-        Qh = Q.permute(0, 1, 3, 2, 4, 5).reshape(G * B * hk, mq * g, d)
-        Kt = K.permute(0, 1, 3, 4, 2).reshape(G * B * hk, d, mk)
-        scores = torch.bmm(Qh, Kt).mul_(d**-0.5).view(G, B, hk, mq, g, mk)
+        Q = qh.index_select(2, qi.view(-1)).float().view(G * hk * B, mq * g, d)
+        K = kh.index_select(2, ki.view(-1)).float().view(G * hk * B, mk, d)
+        V = vh.index_select(2, ki.view(-1)).float().view(G * hk * B, mk, d)
+        scores = torch.bmm(Q, K.transpose(1, 2)).mul_(d**-0.5).view(G, hk, B, mq, g, mk)
         hidden = kp[:, None, :] > qp[:, :, None]
         if window is not None:
             hidden |= kp[:, None, :] <= qp[:, :, None] - window
-        scores.masked_fill_(hidden[None, :, None, :, None, :], float("-inf"))
-        p = torch.softmax(scores, dim=-1).view(G * B * hk, mq * g, mk)
-        Vh = V.permute(0, 1, 3, 2, 4).reshape(G * B * hk, mk, d)
-        o = torch.bmm(p, Vh).view(G, B, hk, mq, g, d).permute(0, 1, 3, 2, 4, 5)
+        scores.masked_fill_(hidden[None, None, :, :, None, :], float("-inf"))
+        p = torch.softmax(scores, dim=-1).view(G * hk * B, mq * g, mk)
+        o = torch.bmm(p, V).view(G, hk, B, mq, g, d).permute(0, 2, 3, 1, 4, 5)
         o = o.reshape(G, B, mq, hq, d)
         for r, (i, a, b) in enumerate(group):
             yield a - q_base, b - q_base, o[:, r, :b - a]

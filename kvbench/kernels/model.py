@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .fingerprint import column_major, int_matmul
 from .staging import to_device
 from .step import ModelShape
 
@@ -58,6 +59,9 @@ def table_rows(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     both = np.concatenate([_rows(np.asarray(tokens, dtype=np.int64), _TOKEN_SALT),
                            _rows(np.asarray(positions, dtype=np.int64), _POS_SALT)])
     return both + _TABLE_OFFSETS
+
+
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 class SyntheticModel:
@@ -145,25 +149,92 @@ class SyntheticModel:
         (the same float32 operations) and picked per (layer, column). A `[L, n, 2, kv_heads,
         head_dim]` view (not contiguous)."""
         s = self.shape
-        w = 2 * self._split[0]
+        combos = self._combos(rows, kv_dtype)
+        n, _, w = combos.shape
+        index = self._exact_index(layers).view(-1)
+        want = combos.view(n, 4 * w).index_select(1, index)
+        return want.view(n, len(layers), 2, s.num_kv_heads, s.head_dim).transpose(0, 1)
+
+    def kv_exact_per_layer(self, rows: torch.Tensor, layers: Sequence[int],
+                           kv_dtype: torch.dtype) -> torch.Tensor:
+        """`rows` `[4, L, m]`: the K/V of row group `l` at `layers[l]` alone, `[L, m, 2,
+        kv_heads, head_dim]` (a few keys per layer, as a report of a mismatch needs)."""
+        s = self.shape
+        L, m = rows.shape[1], rows.shape[2]
+        combos = self._combos(rows.reshape(4, -1), kv_dtype)
+        w = combos.shape[2]
+        index = self._exact_index(layers)[:, None, :].expand(L, m, w)
+        # Gathered as integers of the storage type's size (no gather kernels for fp8).
+        ints = combos.view(_INTS[combos.element_size()])
+        want = ints.view(L, m, 4 * w).gather(2, index).view(combos.dtype)
+        return want.view(L, m, 2, s.num_kv_heads, s.head_dim)
+
+    def kv_fingerprints(self, rows: torch.Tensor, layers: Sequence[int], kv_dtype: torch.dtype,
+                        proj: torch.Tensor) -> torch.Tensor:
+        """int32 `[L, n, 2, M]`: `fingerprint(kv_exact(rows, layers, kv_dtype), proj)`, from
+        the four casts alone. A row's projection sums its bytes times `proj`'s rows; the
+        bytes of column `c` at layer `l` are those of the cast `l` picks for `c`, so one
+        integer matmul of the casts' bytes with `proj` spread over (cast, column, layer)
+        gives every layer's fingerprints without the `[L, n, ...]` K/V."""
+        combos = self._combos(rows, kv_dtype)
+        n, _, w = combos.shape
+        weights = self._fingerprint_weights(layers, combos.element_size(), proj)
+        sums = int_matmul(combos.view(torch.int8).view(n, -1), weights)
+        return sums.view(n, len(layers), 2, proj.shape[1]).transpose(0, 1)
+
+    def _exact_index(self, layers: Sequence[int]) -> torch.Tensor:
+        """`[L, w]`: per layer and K/V column, the column of the four casts `[4 * w]` it
+        takes (cast `(token gain < 0) * 2 + (position gain < 0)`)."""
         key = ("exact",) + tuple(layers)
-        cached = self._gains.get(key)
-        if cached is None:
+        index = self._gains.get(key)
+        if index is None:
+            w = 2 * self._split[0]
             lay = to_device([np.asarray(layers, dtype=np.int64)], self.device)[0]
             tg, pg = self._token_gain[lay, :w], self._pos_gain[lay, :w]
-            gt, gp = self._token_gain.abs().amax(), self._pos_gain.abs().amax()
             combo = (tg < 0).long() * 2 + (pg < 0).long()
-            cols = torch.arange(w, device=self.device)
-            cached = self._gains[key] = (torch.stack([gt, -gt]), torch.stack([gp, -gp]),
-                                         (combo * w + cols).reshape(-1))
-        gt2, gp2, index = cached
+            index = self._gains[key] = combo * w + torch.arange(w, device=self.device)
+        return index
+
+    def _fingerprint_weights(self, layers: Sequence[int], esize: int, proj: torch.Tensor
+                             ) -> torch.Tensor:
+        """int8 `[4 * w * esize, L * 2 * M]`: byte `j` of column `c` of cast `a` weighs
+        `proj[(c % (w / 2)) * esize + j]` in the fingerprints of K (`c < w / 2`) or V at the
+        layers that pick cast `a` for `c`, zero elsewhere."""
+        key = ("fingerprint", esize, proj.shape[1]) + tuple(layers)
+        weights = self._gains.get(key)
+        if weights is None:
+            w = 2 * self._split[0]
+            cast = self._exact_index(layers) // w
+            picks = (cast.t()[None] == torch.arange(4, device=self.device)[:, None, None])
+            half = torch.arange(w, device=self.device) // (w // 2)
+            halves = half[:, None] == torch.arange(2, device=self.device)
+            by_col = proj.reshape(w // 2, esize, -1).repeat(2, 1, 1).int()
+            weights = (picks.int()[:, :, None, :, None, None]
+                       * halves.int()[None, :, None, None, :, None]
+                       * by_col[None, :, :, None, None, :])
+            weights = self._gains[key] = column_major(
+                weights.to(torch.int8).reshape(4 * w * esize, -1))
+        return weights
+
+    def _combos(self, rows: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+        """`[n, 4, w]`: the four casts of `token * (+-g_t) + pos * (+-g_p)` per K/V column,
+        in cast order (`+ +`, `+ -`, `- +`, `- -`)."""
+        w = 2 * self._split[0]
+        key = ("gains",)
+        gains = self._gains.get(key)
+        if gains is None:
+            gains = self._gains[key] = (self._token_gain.abs().amax(),
+                                        self._pos_gain.abs().amax())
         token, pos = self._parts(rows, w)
-        n = token.shape[0]
-        combos = torch.stack([token * gt2[a] + pos * gp2[b] for a in (0, 1) for b in (0, 1)],
-                             1).to(kv_dtype).view(n, 4 * w)
-        want = combos.index_select(1, index).view(n, len(layers), 2, s.num_kv_heads,
-                                                  s.head_dim)
-        return want.transpose(0, 1)
+        # x * (-g) is -(x * g) exactly, and x + (-y) is x - y: two products and four sums
+        # give the four casts (an FMA-free float32 product each, as `qkv_all` computes).
+        a, b = token.mul_(gains[0]), pos.mul_(gains[1])
+        combos = torch.empty((token.shape[0], 4, w), dtype=kv_dtype, device=self.device)
+        combos[:, 0] = a + b
+        combos[:, 1] = a - b
+        combos[:, 2] = b - a
+        combos[:, 3] = a.neg_().sub_(b)
+        return combos
 
     def _parts(self, rows: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         # One gather for all four tables: rows of table i sit at offset i * TABLE_ROWS.

@@ -9,6 +9,11 @@ work per layer). Then the backend's output must match the reference attention
 (`attention.attend_segments`) on the K/V read, which the first check proved equal to the
 model's, within the tolerance of the dtype.
 
+Bits are compared through `fingerprint`s (exact integer projections of each K/V row's bytes;
+the model gives the expected ones from its four per-column casts, `kv_fingerprints`), so a
+check reads each page once rather than comparing it with a recomputed copy; without integer
+matmuls (`projections` returns None) every byte is compared.
+
 A batch is checked in tiles of items and layers (all layers at once unless an item's keys are
 too many for the memory budget). On a GPU the host never waits while a step's checks are
 queued (tables go up through the pinned ring, nothing is read back); the verdicts of every
@@ -24,7 +29,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .attention import KeyIndex, PagedBatch, attend_segments, gather_keys, tile_bytes, tiles
+from .attention import (KeyIndex, PagedBatch, attend_segments, gather_keys, tile_bytes, tiles,
+                        widest_int)
+from .fingerprint import fingerprint, projections
 from .model import SyntheticModel
 from .staging import to_device
 from .step import Mismatch, StepItem
@@ -48,7 +55,7 @@ class Verifier:
     """Checks one batch of one pool, every layer at once. `origin(pool, block)` names the
     copy that last filled a GPU block, for the report."""
 
-    __slots__ = ("model", "dtype", "atol", "rtol", "origin", "kind_prefix")
+    __slots__ = ("model", "dtype", "atol", "rtol", "origin", "kind_prefix", "proj")
 
     def __init__(self, model: SyntheticModel, dtype: str, origin, kind_prefix: str = "") -> None:
         self.model = model
@@ -58,6 +65,11 @@ class Verifier:
         self.kind_prefix = kind_prefix
         """`cross ` for the verifier of cross batches (`attention.CrossBatch`), whose model
         is the encoder's K/V generator."""
+        s = model.shape
+        self.proj = projections(s.num_kv_heads * s.head_dim * self.dtype.itemsize,
+                                model.device)
+        """K/V rows are compared by `fingerprint` with these weights (None: byte for byte,
+        where integer matmuls do not serve)."""
 
     def check(self, step: int, kv: torch.Tensor, batch: PagedBatch, pool: int,
               layers: tuple[int, ...], q: torch.Tensor, out: torch.Tensor) -> Check:
@@ -78,7 +90,6 @@ class Verifier:
         ref_q = torch.zeros_like(err_q)
         per_key = 2 * s.num_kv_heads * s.head_dim * 4
         budget = tile_bytes(dev)
-        bits = _BITS[kv.element_size()]
         rows_of: tuple[slice, torch.Tensor, torch.Tensor] | None = None
         for lay, items in tiles(np.diff(keys.indptr), L, per_key, budget):
             k0, k1 = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
@@ -86,25 +97,9 @@ class Verifier:
                 key_item = to_device([keys.item[k0:k1] - items.start], dev)[0]
                 rows_of = items, self.model.rows(batch_tokens(batch, keys, items),
                                                  keys.positions[k0:k1]), key_item
-            key_item = rows_of[2]
-            want = self.model.kv_exact(rows_of[1], layers[lay], self.dtype)
             got = gather_keys(kv, batch, keys, lay, items)
-            # Bit for bit: any other bits than the model's (NaN included) are wrong.
-            wrong = (got.view(bits) != want.view(bits)).flatten(2).any(-1)
-            G, m = wrong.shape[0], items.stop - items.start
-            kv_bad[lay, items] = torch.zeros((G, m), dtype=torch.float32, device=dev
-                                             ).scatter_reduce_(1, key_item.expand(G, -1),
-                                                               wrong.float(), "amax")
-            # The first wrong key of each item (keys ascend within an item).
-            key_no = torch.arange(k0, k1, dtype=torch.int64, device=dev).expand(G, -1)
-            first = torch.full((G, m), NO_KEY, dtype=torch.int64, device=dev).scatter_reduce_(
-                1, key_item.expand(G, -1), torch.where(wrong, key_no, int(NO_KEY)), "amin")
-            at = (first.clamp(max=k1 - 1) - k0).clamp(min=0)
-            g_at = got[torch.arange(G, device=dev)[:, None], at]
-            w_at = want[torch.arange(G, device=dev)[:, None], at]
-            first_key[lay, items] = first
-            key_err[lay, items] = (g_at.float() - w_at.float()).abs().amax(dim=(2, 3, 4))
-            del want, g_at, w_at
+            self._check_keys(got, rows_of[1], rows_of[2], layers[lay], k0, k1,
+                             (kv_bad, first_key, key_err), (lay, items))
             # The reference reads the pages' K/V (in their storage type; upcast per segment):
             # where they differ from the model's, the K/V mismatch is what gets reported.
             q0 = int(batch.qo_indptr[items.start])
@@ -118,6 +113,39 @@ class Verifier:
         return Check(self, step, batch, pool, layers, keys,
                      torch.stack([kv_bad, attn_bad.float(), err_item]), first_key, key_err,
                      err_q, ref_item)
+
+    def _check_keys(self, got: torch.Tensor, rows: torch.Tensor, key_item: torch.Tensor,
+                    layers: tuple[int, ...], k0: int, k1: int, out: tuple, at_tile: tuple
+                    ) -> None:
+        """The K/V check of one tile: `got` `[G, keys, 2, kv_heads, head_dim]` read through
+        the page tables for keys `[k0, k1)` (their table `rows`, their item `key_item`) at
+        `layers`. Writes the tile's (layer, item) cells of `out` = (K/V wrong, first wrong
+        key, its largest K/V difference) at `at_tile` = (layer range, item range)."""
+        kv_bad, first_key, key_err = out
+        lay, items = at_tile
+        dev = got.device
+        if self.proj is not None:
+            want = self.model.kv_fingerprints(rows, layers, self.dtype, self.proj)
+            wrong = (fingerprint(got.flatten(3), self.proj) != want).flatten(2).any(-1)
+        else:
+            # Bit for bit: any other bits than the model's (NaN included) are wrong.
+            bits = widest_int(got.shape[-1] * got.element_size())
+            want = self.model.kv_exact(rows, layers, self.dtype)
+            wrong = (got.view(bits) != want.view(bits)).flatten(2).any(-1)
+        del want
+        G, m = wrong.shape[0], items.stop - items.start
+        kv_bad[lay, items] = torch.zeros((G, m), dtype=torch.float32, device=dev
+                                         ).scatter_reduce_(1, key_item.expand(G, -1),
+                                                           wrong.float(), "amax")
+        # The first wrong key of each item (keys ascend within an item).
+        key_no = torch.arange(k0, k1, dtype=torch.int64, device=dev).expand(G, -1)
+        first = torch.full((G, m), NO_KEY, dtype=torch.int64, device=dev).scatter_reduce_(
+            1, key_item.expand(G, -1), torch.where(wrong, key_no, int(NO_KEY)), "amin")
+        at = (first.clamp(max=k1 - 1) - k0).clamp(min=0)
+        g_at = got[torch.arange(G, device=dev)[:, None], at]
+        w_at = self.model.kv_exact_per_layer(rows[:, at], layers, self.dtype)
+        first_key[lay, items] = first
+        key_err[lay, items] = (g_at.float() - w_at.float()).abs().amax(dim=(2, 3, 4))
 
     def _attention_verdicts(self, batch: PagedBatch, err_q: torch.Tensor, ref_q: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -168,8 +196,6 @@ class Verifier:
                         block_id, page, tier, error, tolerance)
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-"""Integer views of the storage types, by element size, for bitwise comparison."""
 NO_KEY = np.iinfo(np.int64).max
 """`Check.first_key` of a (layer, item) whose keys all hold the model's bits."""
 

@@ -9,7 +9,8 @@ of the pool runs in one call: `layer_tables` repeats the tables once per layer (
 attention, and one scatter writes the K/V of every layer (`write_kv`).
 
 The reference attention (`attend_segments`) runs all layers of a tile of items at once, in
-float32, over padded key and query blocks sized to a memory budget; the torch backend and the
+float32, one run of an item's queries at a time over that item's keys alone (float32 copies
+of the tile's Q/K/V sized to a memory budget, read in place); the torch backend and the
 verifier share it, so the torch backend's output equals the reference bit for bit whenever
 both read the same keys.
 """
@@ -31,7 +32,7 @@ QUERY_CHUNK = 256
 """Most queries of one item in one score block of `attend_segments`."""
 TILE_BYTES = 256 * 1024 * 1024
 """Float32 bytes of one reference tile on a CPU: the K and V of its layers and items, and
-the padded K, V, queries and scores of a group of query segments."""
+the scores of one run of queries."""
 TILE_BYTES_CUDA = 2 * 1024 * 1024 * 1024
 """The same on a GPU, where fewer, larger tiles save launches and host work."""
 
@@ -366,38 +367,16 @@ def tiles(key_counts: np.ndarray, num_layers: int, key_bytes: int,
         i = j
 
 
-def _plan_segments(batch: PagedBatch, keys: KeyIndex, items: slice, G: int, hq: int, hk: int,
-                   d: int, budget: int
-                   ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int, int]]]:
-    """`attend_segments`' plan: the segments (item, first query, end query), query runs cut
-    to fit `budget`, and their groups (first segment, end segment, padded queries, padded
-    keys), consecutive segments grouped while the padded block fits."""
-    segs: list[tuple[int, int, int]] = []
+def _segments(batch: PagedBatch, keys: KeyIndex, items: slice, G: int, hq: int, budget: int
+              ) -> Iterator[tuple[int, int, int]]:
+    """`attend_segments`' runs: (item, first query, end query), each item's queries cut so
+    that one run's float32 scores and probabilities stay under `budget`."""
     for i in range(items.start, items.stop):
         q0, q1 = int(batch.qo_indptr[i]), int(batch.qo_indptr[i + 1])
         nk = int(keys.indptr[i + 1] - keys.indptr[i])
         step = max(1, min(QUERY_CHUNK, budget // (8 * G * hq * max(nk, 1))))
         for a in range(q0, q1, step):
-            segs.append((i, a, min(q1, a + step)))
-
-    def cost(b: int, mq: int, mk: int) -> int:
-        # float32 padded K and V, queries and outputs, scores and probabilities
-        return 4 * G * b * (2 * mk * hk * d + 2 * mq * hq * d + 2 * hq * mq * mk)
-
-    groups: list[tuple[int, int, int, int]] = []
-    s = 0
-    while s < len(segs):
-        e, mq, mk = s, 0, 0
-        while e < len(segs):
-            i, a, b = segs[e]
-            nk = int(keys.indptr[i + 1] - keys.indptr[i])
-            nq2, nk2 = max(mq, b - a), max(mk, nk)
-            if e > s and cost(e - s + 1, nq2, nk2) > budget:
-                break
-            mq, mk, e = nq2, nk2, e + 1
-        groups.append((s, e, mq, mk))
-        s = e
-    return segs, groups
+            yield i, a, min(q1, a + step)
 
 
 def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch,
@@ -405,53 +384,34 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
                     budget: int = TILE_BYTES) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Reference attention of a tile, in float32: `q` `[G, tile queries, q_heads, d]`, `k` and
     `v` `[G, tile keys, kv_heads, d]` (the items of `items`, in order). Yields
-    (first query, end query, output `[G, queries, q_heads, d]`) per segment, query indices
-    counted from the tile's first query. Items are padded to the segment's longest run of keys
-    and queries; query runs are cut so that scores stay under `budget` bytes."""
-    G, _, hq, d = q.shape
+    (first query, end query, output `[G, queries, q_heads, d]`) per run of one item's
+    queries, query indices counted from the tile's first query; runs are cut so that scores
+    stay under `budget` bytes."""
+    G, nq, hq, d = q.shape
     hk = k.shape[2]
     g = hq // hk
-    dev = q.device
     q_base = int(batch.qo_indptr[items.start])
-    k_base = int(keys.indptr[items.start])
-    segs, groups = _plan_segments(batch, keys, items, G, hq, hk, d, budget)
-    # Every group's index tables go to the device in one (asynchronous) copy.
-    tables = []
-    for s, e, mq, mk in groups:
-        B = e - s
-        qidx = np.zeros((B, mq), np.int64)
-        qpos = np.zeros((B, mq), np.int64)
-        kidx = np.zeros((B, mk), np.int64)
-        kpos = np.full((B, mk), np.iinfo(np.int64).max, np.int64)
-        for r, (i, a, b) in enumerate(segs[s:e]):
-            qidx[r, :b - a] = np.arange(a, b) - q_base
-            qpos[r, :b - a] = batch.new_positions[a:b]
-            k0, k1 = int(keys.indptr[i]), int(keys.indptr[i + 1])
-            kidx[r, :k1 - k0] = np.arange(k0, k1) - k_base
-            kpos[r, :k1 - k0] = keys.positions[k0:k1]
-        tables += (qidx, qpos, kidx, kpos)
-    uploaded = to_device(tables, dev)
-    # Heads outside the items: the gathers below then give each (layer, KV head, item)
-    # matrix contiguously, so the matmuls read them without a relayout copy.
-    qh = q.view(G, q.shape[1], hk, g, d).transpose(1, 2)
-    kh, vh = k.transpose(1, 2), v.transpose(1, 2)
-    for n, (s, e, mq, mk) in enumerate(groups):
-        group = segs[s:e]
-        B = len(group)
-        qi, qp, ki, kp = uploaded[4 * n:4 * n + 4]
-        Q = qh.index_select(2, qi.view(-1)).float().view(G * hk * B, mq * g, d)
-        K = kh.index_select(2, ki.view(-1)).float().view(G * hk * B, mk, d)
-        V = vh.index_select(2, ki.view(-1)).float().view(G * hk * B, mk, d)
-        scores = torch.bmm(Q, K.transpose(1, 2)).mul_(d**-0.5).view(G, hk, B, mq, g, mk)
-        hidden = kp[:, None, :] > qp[:, :, None]
+    k_base, k_end = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
+    # One float32 copy each, heads outside the tokens: every (layer, KV head) run of an
+    # item's queries or keys is then a matrix the matmuls read in place, with no padding.
+    f32 = {"dtype": torch.float32, "memory_format": torch.contiguous_format}
+    qh = q.view(G, nq, hk, g, d).transpose(1, 2).to(**f32)
+    kh, vh = k.transpose(1, 2).to(**f32), v.transpose(1, 2).to(**f32)
+    qpos, kpos = to_device([batch.new_positions[q_base:q_base + nq],
+                            keys.positions[k_base:k_end]], q.device)
+    for i, a, b in _segments(batch, keys, items, G, hq, budget):
+        a, b = a - q_base, b - q_base
+        k0, k1 = int(keys.indptr[i]) - k_base, int(keys.indptr[i + 1]) - k_base
+        Q = qh[:, :, a:b].reshape(G * hk, (b - a) * g, d)
+        scores = torch.bmm(Q, kh[:, :, k0:k1].reshape(G * hk, k1 - k0, d).transpose(1, 2))
+        scores = scores.mul_(d**-0.5).view(G * hk, b - a, g, k1 - k0)
+        hidden = kpos[None, k0:k1] > qpos[a:b, None]
         if window is not None:
-            hidden |= kp[:, None, :] <= qp[:, :, None] - window
-        scores.masked_fill_(hidden[None, None, :, :, None, :], float("-inf"))
-        p = torch.softmax(scores, dim=-1).view(G * hk * B, mq * g, mk)
-        o = torch.bmm(p, V).view(G, hk, B, mq, g, d).permute(0, 2, 3, 1, 4, 5)
-        o = o.reshape(G, B, mq, hq, d)
-        for r, (i, a, b) in enumerate(group):
-            yield a - q_base, b - q_base, o[:, r, :b - a]
+            hidden |= kpos[None, k0:k1] <= qpos[a:b, None] - window
+        scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
+        p = torch.softmax(scores, dim=-1).view(G * hk, (b - a) * g, k1 - k0)
+        o = torch.bmm(p, vh[:, :, k0:k1].reshape(G * hk, k1 - k0, d))
+        yield a, b, o.view(G, hk, b - a, g, d).permute(0, 2, 1, 3, 4).reshape(G, b - a, hq, d)
 
 
 class TorchBackend:

@@ -100,7 +100,7 @@ class Verifier:
             got = gather_keys(kv, batch, keys, lay, items)
             self._check_keys(got, rows_of[1], rows_of[2], layers[lay], k0, k1,
                              (kv_bad, first_key, key_err), (lay, items))
-            # The reference reads the pages' K/V (in their storage type; upcast per segment):
+            # The reference reads the pages' K/V (in their storage type; upcast once per tile):
             # where they differ from the model's, the K/V mismatch is what gets reported.
             q0 = int(batch.qo_indptr[items.start])
             for a, b, ref in attend_segments(q[lay, q0:int(batch.qo_indptr[items.stop])],

@@ -67,7 +67,7 @@ _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 class SyntheticModel:
     """Q/K/V generator for one `ModelShape`; tables live on `device`."""
 
-    __slots__ = ("shape", "device", "_tables", "_token_gain", "_pos_gain", "_split",
+    __slots__ = ("shape", "device", "_tables", "_kv_tables", "_token_gain", "_pos_gain", "_split",
                  "_gains")
 
     def __init__(self, shape: ModelShape, seed: int, device: torch.device) -> None:
@@ -80,6 +80,8 @@ class SyntheticModel:
         gen = torch.Generator().manual_seed(seed)
         # Four tables: two for the token's hashes, two for the position's.
         self._tables = torch.randn((4, TABLE_ROWS, width), generator=gen).to(device)
+        # The K/V columns alone, for the verifier's recomputation (no Q columns gathered).
+        self._kv_tables = self._tables[:, :, :2 * kv].contiguous()
         signs = torch.randint(0, 2, (2, shape.num_layers, width), generator=gen) * 2 - 1
         # Each part sums two N(0, 1) rows; scaled so K, V and Q entries are N(0, 1) again.
         self._token_gain = (signs[0] * (0.8 / 2**0.5)).float().to(device)
@@ -238,7 +240,8 @@ class SyntheticModel:
 
     def _parts(self, rows: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         # One gather for all four tables: rows of table i sit at offset i * TABLE_ROWS.
-        flat = self._tables.view(4 * TABLE_ROWS, -1)
+        tables = self._kv_tables if w <= self._kv_tables.shape[2] else self._tables
+        flat = tables.view(4 * TABLE_ROWS, -1)
         g = flat.index_select(0, rows.reshape(-1)).view(4, -1, flat.shape[1])
         return g[0, :, :w] + g[1, :, :w], g[2, :, :w] + g[3, :, :w]
 

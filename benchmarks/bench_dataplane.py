@@ -9,6 +9,15 @@ data-plane wall seconds (execute_step, GPU waits included; FlashInfer's JIT warm
 when the plane opens, outside it), host milliseconds per step (everything but waiting for the
 GPU), the GPU time of the steps and its phases. Targets (issue 17, 8 requests): wall <= 3 s,
 host <= 1 ms per step, sample <= 2x off.
+
+    python benchmarks/bench_dataplane.py --cpu-proxy [--requests 8] [--repeat 3]
+
+is a CPU proxy of the host work, for machines without a GPU: the same slice and its 32 layers
+on the torch backend, with one-wide heads (head_dim 2, one query and one K/V head) so that
+the tensors stay tiny, attention not run (an empty output stands in: with verify off nothing
+reads it), and prints the host milliseconds per step (mean, median: the median step is a
+decode step). A CPU runs the kernels itself, so these are not the GPU figure: they compare
+one version of the data plane's Python and numpy work with another.
 """
 
 from __future__ import annotations
@@ -38,6 +47,57 @@ def run(requests: int, verify: str, sets: list[str]) -> dict:
     return {k: m.get(k) for k in KEYS}
 
 
+PROXY = ("run.backend=torch", "model.head_dim=2", "model.num_q_heads=1",
+         "model.num_kv_heads=1", "run.verify='off'")
+
+
+class _NoAttention:
+    """The CPU proxy's attention: plans nothing, returns an unfilled output."""
+
+    name = "torch"
+
+    def plan_tables(self, batch):
+        return None
+
+    def plan(self, pool, batch, buffer=0, tables=None):
+        return None
+
+    def run(self, kv, batch, q, plan=None):
+        import torch
+
+        return torch.empty(q.shape, dtype=torch.float32)
+
+
+def cpu_proxy(requests: int, repeat: int, sets: list[str]) -> dict:
+    """Host ms per step of the slice on the CPU proxy (see the module docstring), per run."""
+    import numpy as np
+
+    from kvbench.kernels import dataplane
+
+    dataplane.DataPlane._open_backend = lambda self, backend, cross: _NoAttention()
+    step_host: list[float] = []
+    execute = dataplane.DataPlane.execute_step
+
+    def timed(plane, *args, **kwargs):
+        before = plane.host_s
+        out = execute(plane, *args, **kwargs)
+        step_host.append(plane.host_s - before)
+        return out
+
+    dataplane.DataPlane.execute_step = timed
+    runs = []
+    for _ in range(repeat):
+        step_host.clear()
+        wl = load_workload(WORKLOAD, [*SLICE, *PROXY, f"requests.limit={requests}", *sets])
+        run_workload(wl)
+        ms = 1e3 * np.array(step_host)
+        runs.append({"steps": len(ms), "host_ms_mean": float(ms.mean()),
+                     "host_ms_median": float(np.median(ms))})
+        print(f"CPU proxy (not a GPU figure): {len(ms)} steps, host {ms.mean():.3f} ms/step "
+              f"mean, {np.median(ms):.3f} median", flush=True)
+    return {"cpu_proxy": runs, "sets": [*SLICE, *PROXY, *sets]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=8)
@@ -45,7 +105,15 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--host-profile", action="store_true",
                     help="a third run (verify off) under cProfile: the top host functions")
+    ap.add_argument("--cpu-proxy", action="store_true",
+                    help="host work per step on a CPU, at one-wide heads, attention not run")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of --cpu-proxy")
     args = ap.parse_args()
+    if args.cpu_proxy:
+        result = cpu_proxy(args.requests, args.repeat, args.sets)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return
     import torch
 
     if not torch.cuda.is_available():

@@ -17,14 +17,15 @@ both read the same keys.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Sequence
-from itertools import chain, islice
+from itertools import chain
 
 import numpy as np
 import torch
 
 from .model import table_rows
-from .staging import to_device
+from .staging import Upload, to_device
 from .step import StepItem
 from .storage import PoolTensors
 
@@ -61,11 +62,16 @@ def _first_layer_pages(items: list[StepItem], npages: np.ndarray, kv_indptr: np.
     """The flattened pages of the items at the pool's first layer (`slot * num_layers`; a
     scratch page as it is, the same in every layer) and the mask of scratch entries. Raises
     ValueError for a block outside the pool."""
-    total = int(kv_indptr[-1])
-    blocks = np.fromiter(chain.from_iterable(
-        islice(it.blocks, int(k)) for it, k in zip(items, npages)), np.int64, total)
+    # Python ints to int64 through array.fromlist (a C loop per item's list): the page
+    # tables are the bulk of a decode step's host work, O(pages) every step.
+    flat = array("q")
+    for it, k in zip(items, npages.tolist()):
+        b = it.blocks[:k]
+        flat.fromlist(b if type(b) is list else list(b))
+    blocks = np.frombuffer(flat, np.int64) if len(flat) else np.zeros(0, np.int64)
     pages = blocks * num_layers
-    mask = np.zeros(total, bool)
+    mask = np.zeros(len(blocks), bool)
+    scratch = False
     for i, it in enumerate(items):
         if it.scratch:
             for index, page in it.scratch.items():
@@ -73,7 +79,11 @@ def _first_layer_pages(items: list[StepItem], npages: np.ndarray, kv_indptr: np.
                 if 0 <= r < npages[i]:
                     pages[kv_indptr[i] + r] = page
                     mask[kv_indptr[i] + r] = True
-    bad = ~mask & ((blocks < 0) | (blocks >= num_gpu_slots))
+                    scratch = True
+    # As uint64, a negative id is out of range too.
+    bad = blocks.view(np.uint64) >= num_gpu_slots
+    if scratch:
+        bad &= ~mask
     if bad.any():
         j = int(np.argmax(bad))
         it = items[int(np.searchsorted(kv_indptr, j, side="right")) - 1]
@@ -104,9 +114,11 @@ class PagedBatch:
     )
 
     def __init__(self, items: Sequence[StepItem], pool: PoolTensors, tokens_per_block: int,
-                 device: torch.device, *, decode: bool) -> None:
-        # Per item only what reads its Python fields; the rest is vectorised, and the
-        # device gets everything (pages, write positions, table rows) in one copy.
+                 device: torch.device, *, decode: bool, upload: Upload | None = None) -> None:
+        # Per item only what reads its Python fields; the rest is vectorised, and the device
+        # gets everything (pages, write pages and slots, table rows) in one copy: the step's
+        # `upload` (sent by the caller, which may read the device tables only after it), or
+        # one of the batch's own.
         tpb = tokens_per_block
         spec = pool.spec
         num_layers = pool.num_layers
@@ -144,36 +156,63 @@ class PagedBatch:
         self.has_scratch = has_scratch = bool(mask.any())
         if has_scratch:
             _check_scratch_pages(pages[mask], spec, num_layers)
-        # The step's computed tokens, flattened in item order.
-        self.tok_batch = tok_batch = np.repeat(np.arange(n, dtype=np.int64), counts)
-        self.new_positions = positions = (np.arange(int(qo_indptr[-1]), dtype=np.int64)
-                                          + (starts - qo_indptr[:-1])[tok_batch])
-        self.new_tokens = tokens = (first_tokens if qo_indptr[-1] == n else np.concatenate(
-            [np.asarray(it.tokens[it.start:it.end], dtype=np.int64) for it in items]))
-        self.tok_rel = tok_rel = positions - kv_start[tok_batch]
-        self.tok_page = tok_page = kv_indptr[tok_batch] + tok_rel // tpb
+        # The step's computed tokens, flattened in item order (decode: one per item).
+        if qo_indptr[-1] == n:
+            self.tok_batch = tok_batch = np.arange(n, dtype=np.int64)
+            self.new_positions = positions = starts
+            self.new_tokens = tokens = first_tokens
+            self.tok_rel = tok_rel = starts - kv_start
+            self.tok_page = tok_page = kv_indptr[:-1] + tok_rel // tpb
+        else:
+            self.tok_batch = tok_batch = np.repeat(np.arange(n, dtype=np.int64), counts)
+            self.new_positions = positions = (np.arange(int(qo_indptr[-1]), dtype=np.int64)
+                                              + (starts - qo_indptr[:-1])[tok_batch])
+            self.new_tokens = tokens = np.concatenate(
+                [np.asarray(it.tokens[it.start:it.end], dtype=np.int64) for it in items])
+            self.tok_rel = tok_rel = positions - kv_start[tok_batch]
+            self.tok_page = tok_page = kv_indptr[tok_batch] + tok_rel // tpb
         self.device = device
         # Layer l's page of an entry is `page + l` (a scratch page is the same in every
-        # layer): expanded on the device, from the entry's page and its step (1 or 0).
-        step = (~mask).astype(np.int64)
-        pages_d, step_d, tok_page_d, slot_d, self.rows = to_device(
-            [pages, step, tok_page, tok_rel % tpb, table_rows(tokens, positions)], device)
-        layers = _layer_range(num_layers, device)
-        self.pages_dev = pages_d + (layers * step_d if has_scratch else layers)
-        self.write_page = self.pages_dev.index_select(1, tok_page_d)
-        self.write_slot = slot_d
+        # layer): expanded on the device from the first layer's pages (int32, FlashInfer's
+        # index type) and, with scratch pages, their steps (1 or 0); the write pages (int64,
+        # indexing) likewise from each token's first-layer page.
+        arrays = [pages.astype(np.int32), pages[tok_page], tok_rel % tpb,
+                  table_rows(tokens, positions)]
+        if has_scratch:
+            step = (~mask).astype(np.int32)
+            arrays += [step, step[tok_page].astype(np.int64)]
+        if upload is None:
+            upload = Upload(device)
+            upload.add(arrays, self._on_device)
+            upload.send()
+            upload.release()
+        else:
+            upload.add(arrays, self._on_device)
 
-    def layer_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(qo_indptr, kv_indptr, last_page_len) of the batch repeated for every layer,
-        layer-major: entry `l * n + i` is item `i` at layer `l`; its pages are
-        `pages_dev[l]`'s, so the flattened `pages_dev` is the matching index array."""
+    def _on_device(self, tables: list[torch.Tensor]) -> None:
+        """The batch's device tables, from its uploaded arrays (see `__init__`)."""
+        pages, write_page, self.write_slot, self.rows = tables[:4]
+        layers32, layers64 = _layer_range(self.num_layers, self.device)
+        if self.has_scratch:
+            step, write_step = tables[4:]
+            self.pages_dev = pages + layers32 * step
+            self.write_page = write_page + layers64 * write_step
+        else:
+            self.pages_dev = pages + layers32
+            self.write_page = write_page + layers64
+
+    def layer_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """The batch's tables repeated for every layer, layer-major (entry `l * n + i` is
+        item `i` at layer `l`; its pages are `pages_dev[l]`'s, so the flattened `pages_dev`
+        is the matching index array), int32: `[2, L * n + 1]` (qo_indptr, kv_indptr) and
+        `[2, L * n]` (last_page_len, kv_len)."""
         L = self.num_layers
-        layers = np.arange(L, dtype=np.int64)[:, None]
-        qo = np.append((self.qo_indptr[:-1][None, :] + layers * self.qo_indptr[-1]).ravel(),
-                       L * self.qo_indptr[-1])
-        kv = np.append((self.kv_indptr[:-1][None, :] + layers * self.kv_indptr[-1]).ravel(),
-                       L * self.kv_indptr[-1])
-        return qo, kv, np.tile(self.last_page_len, L)
+        ptr = np.stack([self.qo_indptr, self.kv_indptr])
+        total = ptr[:, -1:]
+        out = np.empty((2, L * (ptr.shape[1] - 1) + 1), np.int32)
+        out[:, :-1] = (ptr[:, None, :-1] + np.arange(L)[:, None] * total[:, None]).reshape(2, -1)
+        out[:, -1:] = L * total
+        return out, np.tile(np.stack([self.last_page_len, self.kv_len]), L).astype(np.int32)
 
     def layer_slice(self, layer: int) -> PagedBatch:
         """The batch at one layer of its pool alone (pages shifted to that layer's): how a
@@ -305,15 +344,17 @@ def write_kv(kv: torch.Tensor, batch: PagedBatch, new_kv: torch.Tensor) -> None:
     kv.view(torch.uint8)[batch.write_page, :, batch.write_slot] = new_kv.view(torch.uint8)
 
 
-_LAYER_RANGES: dict[tuple[torch.device, int], torch.Tensor] = {}
+_LAYER_RANGES: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _layer_range(num_layers: int, device: torch.device) -> torch.Tensor:
-    """`[[0], [1], ..., [L-1]]` on the device, made once (a copy per step would cost one)."""
+def _layer_range(num_layers: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[[0], [1], ..., [L-1]]` on the device as int32 and int64, made once (a copy per step
+    would cost one)."""
     key = (device, num_layers)
     t = _LAYER_RANGES.get(key)
     if t is None:
-        t = _LAYER_RANGES[key] = torch.arange(num_layers, dtype=torch.int64)[:, None].to(device)
+        r = torch.arange(num_layers, dtype=torch.int64)[:, None]
+        t = _LAYER_RANGES[key] = (r.int().to(device), r.to(device))
     return t
 
 
@@ -324,7 +365,8 @@ def gather_keys(kv: torch.Tensor, batch: PagedBatch, keys: KeyIndex, layers: sli
     k0, k1 = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
     # Through the pinned ring: a pageable copy would make the host wait for the GPU.
     entry, slot = to_device([keys.entry[k0:k1], keys.slot[k0:k1]], kv.device)
-    pages = batch.pages_dev[layers][:, entry]
+    # int64 for indexing (a batch's own pages are int32, FlashInfer's index type).
+    pages = batch.pages_dev[layers][:, entry].long()
     g = pages.shape[0]
     # One row per (page, K or V, slot): a key's K or V of every head, copied whole by one
     # row gather (advanced indexing on bytes moves one byte per element).
@@ -420,7 +462,10 @@ class TorchBackend:
 
     name = "torch"
 
-    def plan(self, pool: int, batch: PagedBatch, buffer: int = 0) -> None:
+    def plan_tables(self, batch: PagedBatch) -> None:
+        """No host tables to stage."""
+
+    def plan(self, pool: int, batch: PagedBatch, buffer: int = 0, tables=None) -> None:
         """Nothing to plan: page tables are read when the batch runs."""
 
     def run(self, kv: torch.Tensor, batch: PagedBatch, q: torch.Tensor, plan=None

@@ -49,6 +49,7 @@ from ..cache.ids import CopyOp
 from .attention import CrossBatch, PagedBatch, TorchBackend, write_kv
 from .copies import CopyExecutor
 from .model import ENCODER_SEED, SyntheticModel
+from .staging import Upload
 from .step import BackendUnavailable, Mismatch, ModelShape, PoolSpec, StepCheck, StepItem
 from .storage import QUERY_DTYPES, STORAGE_DTYPES, PoolTensors, make_pools
 from .verify import Check, Verifier, settle
@@ -151,6 +152,8 @@ class DataPlane:
         back before planning: FlashInfer stages each plan in a pinned buffer of its wrapper,
         which must not be rewritten before the GPU copied it."""
         self._pending: deque[_Marks] = deque()
+        self._free_marks: list[_Marks] = []
+        """Event sets whose times were read, reused (at most three exist: two pending)."""
 
     def _open_backend(self, backend: str, cross: bool):
         """The attention backend; FlashInfer's kernels are compiled and planned once here
@@ -183,7 +186,7 @@ class DataPlane:
         step = self.steps
         self.steps += 1
         while len(self._pending) >= 2:
-            self._add_times(self._pending.popleft().totals())
+            self._add_times(self._read_marks(self._pending.popleft()))
         t0 = time.perf_counter()
         buffer = step % 2 if self.lazy_times else 0
         check = self.verify == "all" or (self.verify == "sample"
@@ -191,40 +194,66 @@ class DataPlane:
         by_pool = copy_ops if isinstance(copy_ops, Mapping) else {0: copy_ops}
         for pool, ops in by_pool.items():
             self.copier.check(pool, ops)
-        writes, layered, attend, tokens = self._prepare(items, encoder, buffer)
+        # The compute stream, looked up once per step (each lookup builds a Stream object).
+        stream = torch.cuda.current_stream(self.device) if self._timed else None
+        writes, layered, attend, tokens = self._prepare(items, encoder, buffer, stream)
         if self.engine is not None:
             self.engine.prepare(tokens)
-        marks = _Marks(self._timed)
-        marks.record("start")
+        marks = self._marks(stream)
         copied = copy_bytes = 0
-        with marks.side(self.copy_stream):
+        if marks is not None:
+            # Copies run on their own stream, from the step's start.
+            self.copy_stream.wait_event(marks.start)
+            torch.cuda.set_stream(self.copy_stream)
+        try:
             for pool, ops in by_pool.items():
                 n = self.copier.run(pool, ops, step)
                 copied += n
                 copy_bytes += n * self.pools[pool].slot_bytes
+        finally:
+            if marks is not None:
+                marks.copy.record(self.copy_stream)
+                torch.cuda.set_stream(stream)
         if self.engine is not None:
             self.engine.run(tokens)
-        marks.record("linear")
-        marks.join()
+        if marks is not None:
+            marks.linear.record(stream)
+            stream.wait_event(marks.copy)
         for kv, batch, new_kv in writes:
             write_kv(kv, batch, new_kv)
-        marks.record("write")
+        if marks is not None:
+            marks.write.record(stream)
         # Layered batches write before any whole batch attends: a beam's own item may read
         # the shared context its beam 0 writes this step from a batch with scratch pages.
         checks = self._run_layered(layered, step, buffer, check)
         outs = [self.backend.run(kv, batch, q, plan) for _, _, kv, batch, _, q, plan in attend]
-        marks.record("attention")
+        if marks is not None:
+            marks.attention.record(stream)
         self.host_s += time.perf_counter() - t0
-        if self.lazy_times:
+        times = None
+        if marks is not None and self.lazy_times:
             self._pending.append(marks)
-            times = None
-        else:
-            times = marks.totals()
+        elif marks is not None:
+            times = self._read_marks(marks)
         if check:
             checks += [verifier.check(step, kv, batch, pool, layers, q, out)
                        for (verifier, pool, kv, batch, layers, q, _), out in zip(attend, outs)]
         return self._finish_step(step, checks if check else None, times, copied, copy_bytes,
                                  t_start)
+
+    def _marks(self, stream) -> _Marks | None:
+        """The step's phase events (None on CPU), a free set reused, its start recorded."""
+        if not self._timed:
+            return None
+        marks = self._free_marks.pop() if self._free_marks else _Marks()
+        marks.start.record(stream)
+        return marks
+
+    def _read_marks(self, marks: _Marks) -> dict[str, float]:
+        """A step's phase times (waits for its events); its events are free again."""
+        times = marks.totals()
+        self._free_marks.append(marks)
+        return times
 
     def _finish_step(self, step: int, checks: list | None, times: dict | None, copied: int,
                      copy_bytes: int, t_start: float) -> StepCheck:
@@ -248,9 +277,11 @@ class DataPlane:
             copy_bytes=copy_bytes, attention_ms=t.get("attention"), write_ms=t.get("write"),
             copy_ms=t.get("copy"), linear_ms=t.get("linear"), step_ms=t.get("step"))
 
-    def _prepare(self, items: Sequence[StepItem], encoder: Sequence[StepItem], buffer: int):
+    def _prepare(self, items: Sequence[StepItem], encoder: Sequence[StepItem], buffer: int,
+                 stream):
         """The step's untimed preparation: page tables, the synthetic model's Q/K/V (an
-        engine's linear layers produce them; those are timed instead), attention plans. A
+        engine's linear layers produce them; those are timed instead), attention plans. Every
+        batch's tables and the plans' host tables go up in one copy (`staging.Upload`). A
         batch with scratch pages runs layer by layer (every layer reuses the scratch page),
         planned and, when checked, verified between layers. Returns `writes`: (tensor, batch,
         K/V); `layered`: (pool, batch, K/V, q); `attend`: (verifier, pool, tensor, batch,
@@ -258,9 +289,18 @@ class DataPlane:
         pool 0 computes (the engine's linear layers run on them)."""
         writes, layered, attend = [], [], []
         tokens = 0
-        if encoder:
-            writes.append(self._encoder_writes(encoder))
-        for pool, batch in self._batches(items):
+        upload = Upload(self.device)
+        enc = self._encoder_batch(encoder, upload) if encoder else None
+        batches = list(self._batches(items, upload))
+        tables: list[list[torch.Tensor] | None] = [None] * len(batches)
+        for i, (_, batch) in enumerate(batches):
+            host = None if batch.has_scratch else self.backend.plan_tables(batch)
+            if host is not None:
+                upload.add(host, lambda views, i=i: tables.__setitem__(i, views), host=True)
+        upload.send()
+        if enc is not None:
+            writes.append(self._encoder_writes(enc))
+        for (pool, batch), planned in zip(batches, tables):
             tensors = self.pools[pool]
             layers = tensors.spec.layers
             new_kv, q = self.model.qkv_all(batch.rows, layers, self._kv_dtype, self._q_dtype)
@@ -269,11 +309,13 @@ class DataPlane:
             else:
                 writes.append((tensors.gpu, batch, new_kv))
                 attend.append((self.verifier, pool, tensors.gpu, batch, layers, q,
-                               self.backend.plan(pool, batch, buffer)))
+                               self.backend.plan(pool, batch, buffer, planned)))
             if CrossBatch.wanted(batch):
                 attend.append(self._cross_attention(pool, batch, layers, q, buffer))
             if pool == 0:
                 tokens += len(batch.new_tokens)
+        # Every copy reading the upload's slot (the batches', the plans') is queued.
+        upload.release(stream)
         return writes, layered, attend, tokens
 
     def _run_layered(self, layered: list, step: int, buffer: int, check: bool) -> list[Check]:
@@ -303,7 +345,7 @@ class DataPlane:
         checked); kernel times only on CUDA, where they are measured, with
         `time_source: measured` (a serve loop sets the label of its own clock)."""
         while self._pending:
-            self._add_times(self._pending.popleft().totals())
+            self._add_times(self._read_marks(self._pending.popleft()))
         checked = self.verified_steps > 0
         out = {
             "verified": (self.first_mismatch is None) if checked else None,
@@ -335,11 +377,14 @@ class DataPlane:
             raise ValueError("cross-attention work on a data plane without a cross pool")
         return self.pools[self.cross_pool]
 
-    def _encoder_writes(self, encoder: Sequence[StepItem]):
-        """(tensor, batch, K/V) of the step's encoder writes into the cross pool."""
+    def _encoder_batch(self, encoder: Sequence[StepItem], upload: Upload) -> PagedBatch:
+        """The batch of the step's encoder writes into the cross pool."""
+        return PagedBatch(encoder, self._cross_tensors(), self.shape.tokens_per_block,
+                          self.device, decode=False, upload=upload)
+
+    def _encoder_writes(self, batch: PagedBatch):
+        """(tensor, batch, K/V) of the step's encoder writes (`_encoder_batch`, uploaded)."""
         cross = self._cross_tensors()
-        batch = PagedBatch(encoder, cross, self.shape.tokens_per_block, self.device,
-                           decode=False)
         kv, _ = self.cross_model.qkv_all(batch.rows, cross.spec.layers, self._kv_dtype, None)
         return cross.gpu, batch, kv
 
@@ -352,7 +397,7 @@ class DataPlane:
         return (self.cross_verifier, self.cross_pool, cross.gpu, cb, layers,
                 q.index_select(1, cb.query_index), self.backend.plan(pool, cb, buffer))
 
-    def _batches(self, items: Sequence[StepItem]):
+    def _batches(self, items: Sequence[StepItem], upload: Upload):
         by_pool: dict[int, tuple[list[StepItem], list[StepItem]]] = {}
         for it in items:
             if not 0 <= it.pool < self.num_decoder_pools:
@@ -364,7 +409,7 @@ class DataPlane:
             for group, decode in ((ctx, False), (dec, True)):
                 if group:
                     yield pool, PagedBatch(group, self.pools[pool], tpb, self.device,
-                                           decode=decode)
+                                           decode=decode, upload=upload)
 
 
 PHASES = ("copy", "linear", "write", "attention", "step")
@@ -373,60 +418,25 @@ engine's linear layers, K/V writes, attention, and the whole step."""
 
 
 class _Marks:
-    """CUDA events at the step's phase boundaries (a no-op on CPU, where kvbench reports no
-    times). Work on the side stream starts at `start`; `join` makes the compute stream wait
-    for it."""
+    """CUDA events at a step's phase boundaries (CUDA only: kvbench reports no times on a
+    CPU): `start`, `linear`, `write`, `attention` on the compute stream, `copy` on the copy
+    stream after its copies (which wait for `start`). Made once and reused, step after
+    step, once `totals` read them."""
 
-    __slots__ = ("enabled", "events", "_side_end")
+    __slots__ = ("start", "copy", "linear", "write", "attention")
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.events: dict[str, torch.cuda.Event] = {}
-        self._side_end = None
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, torch.cuda.Event(enable_timing=True))
 
-    def record(self, name: str) -> None:
-        if self.enabled:
-            ev = self.events[name] = torch.cuda.Event(enable_timing=True)
-            ev.record()
-
-    def side(self, stream):
-        return _Side(self, stream)
-
-    def join(self) -> None:
-        if self.enabled:
-            torch.cuda.current_stream().wait_event(self._side_end)
-
-    def totals(self) -> dict[str, float] | None:
-        if not self.enabled:
-            return None
-        e = self.events
-        e["attention"].synchronize()
-        self._side_end.synchronize()
-        start = e["start"]
+    def totals(self) -> dict[str, float]:
+        self.attention.synchronize()
+        self.copy.synchronize()
+        start = self.start
         return {
-            "copy": start.elapsed_time(self._side_end),
-            "linear": start.elapsed_time(e["linear"]),
-            "write": e["linear"].elapsed_time(e["write"]),
-            "attention": e["write"].elapsed_time(e["attention"]),
-            "step": start.elapsed_time(e["attention"]),
+            "copy": start.elapsed_time(self.copy),
+            "linear": start.elapsed_time(self.linear),
+            "write": self.linear.elapsed_time(self.write),
+            "attention": self.write.elapsed_time(self.attention),
+            "step": start.elapsed_time(self.attention),
         }
-
-
-class _Side:
-    __slots__ = ("marks", "stream", "ctx")
-
-    def __init__(self, marks: _Marks, stream) -> None:
-        self.marks = marks
-        self.stream = stream
-
-    def __enter__(self) -> None:
-        if self.marks.enabled:
-            self.stream.wait_event(self.marks.events["start"])
-            self.ctx = torch.cuda.stream(self.stream)
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        if self.marks.enabled:
-            end = self.marks._side_end = torch.cuda.Event(enable_timing=True)
-            end.record(self.stream)
-            self.ctx.__exit__(*exc)

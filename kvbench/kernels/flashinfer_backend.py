@@ -119,27 +119,35 @@ class FlashInferBackend:
                    kv_data_type=self.kv_dtype, non_blocking=True, seq_lens=seq_lens,
                    max_token_per_sequence=max_q, max_sequence_kv=max_kv)
 
-    def plan(self, pool: int, batch: PagedBatch, buffer: int = 0):
+    def plan_tables(self, batch: PagedBatch) -> list[np.ndarray]:
+        """The host tables `plan` hands FlashInfer (`PagedBatch.layer_tables`, int32), for the
+        step's upload to stage with the batch's own: FlashInfer reads them on the host and
+        copies them to the GPU, which from pageable memory would make the host wait."""
+        return list(batch.layer_tables())
+
+    def plan(self, pool: int, batch: PagedBatch, buffer: int = 0,
+             tables: list[torch.Tensor] | None = None):
         """One plan for every layer of the batch: entry `l * n + i` is item `i` at layer `l`
         (`PagedBatch.layer_tables`), page indices are the layer's own (scratch pages the
         same in every layer). `buffer` picks one of the wrapper sets that consecutive steps
-        alternate between; `pool` is the decoder pool's, for a cross batch too. Returns the
-        planned wrapper, for `run`."""
-        # The host tables sit in the pinned staging ring: FlashInfer reads them on the host
-        # and copies them to the GPU, which from pageable memory would make the host wait.
-        # Passing the sequence lengths and maxima spares it recomputing them.
-        qo, kv_indptr, last = batch.layer_tables()
-        lens = np.tile(batch.kv_len, batch.num_layers)
-        staging = ring(self.device)
-        slot, _, (qo, kv_indptr, last, lens) = staging.stage([qo, kv_indptr, last, lens],
-                                                             np.int32)
+        alternate between; `pool` is the decoder pool's, for a cross batch too. `tables`:
+        `plan_tables(batch)` already staged in pinned memory (the step's upload); without
+        them, they are staged here. Returns the planned wrapper, for `run`."""
+        slot = None
+        if tables is None:
+            staging = ring(self.device)
+            slot, flat, layout = staging.stage(self.plan_tables(batch))
+            tables = layout.views(flat)
+        ptr, lens = tables
+        # Passing the sequence lengths and maxima spares FlashInfer recomputing them.
         indices = batch.pages_dev.view(-1).to(torch.int32)
         window_left = batch.window - 1 if batch.window is not None else -1
         w = self._wrapper(pool, batch.decode, buffer, batch.causal)
-        self._plan_tables(w, batch.decode, qo, kv_indptr, indices, last, batch.tpb, window_left,
-                          batch.causal, lens, int(np.diff(batch.qo_indptr).max()),
-                          int(batch.kv_len.max()))
-        staging.release(slot)
+        self._plan_tables(w, batch.decode, ptr[0], ptr[1], indices, lens[0], batch.tpb,
+                          window_left, batch.causal, lens[1],
+                          int(np.diff(batch.qo_indptr).max()), int(batch.kv_len.max()))
+        if slot is not None:
+            staging.release(slot)
         return w
 
     def run(self, kv: torch.Tensor, batch: PagedBatch, q: torch.Tensor, plan) -> torch.Tensor:

@@ -34,31 +34,30 @@ _TOKEN_SALT = 0x5EED_0001
 _POS_SALT = 0x5EED_0002
 
 
-def _mix(x: np.ndarray, salt: int) -> np.ndarray:
-    """splitmix64 of int64 values, as uint64 (wrapping arithmetic is what we want)."""
-    z = x.astype(np.uint64) + np.uint64((salt * 0x9E3779B97F4A7C15) & _MASK)
+def _mix(x: np.ndarray, salts: np.ndarray) -> np.ndarray:
+    """splitmix64 of the int64 values of each row of `x`, salted per row (`[rows, 1]`
+    uint64 constants), as uint64 (wrapping arithmetic is what we want)."""
+    z = x.astype(np.uint64) + salts
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
 
 
-def _rows(x: np.ndarray, salt: int) -> np.ndarray:
-    """Two table rows per value, as an int64 array of shape [2, n]."""
-    z = _mix(x, salt)
-    rows = np.stack([z % np.uint64(TABLE_ROWS), (z >> np.uint64(32)) % np.uint64(TABLE_ROWS)])
-    return rows.astype(np.int64)
-
-
+_SALTS = np.array([[(salt * 0x9E3779B97F4A7C15) & _MASK] for salt in (_TOKEN_SALT, _POS_SALT)],
+                  dtype=np.uint64)
 _TABLE_OFFSETS = (np.arange(4, dtype=np.int64) * TABLE_ROWS)[:, None]
 
 
 def table_rows(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """`[4, n]` rows of the four stacked tables (each offset by its table's first row) that
-    `(tokens[i], positions[i])` reads: the same for every `SyntheticModel`, whose seed picks
-    the tables' contents only, so a batch can ship them with its page tables."""
-    both = np.concatenate([_rows(np.asarray(tokens, dtype=np.int64), _TOKEN_SALT),
-                           _rows(np.asarray(positions, dtype=np.int64), _POS_SALT)])
-    return both + _TABLE_OFFSETS
+    `(tokens[i], positions[i])` reads: two per token id (its hash's low and high halves),
+    then two per position. The same for every `SyntheticModel`, whose seed picks the tables'
+    contents only, so a batch can ship them with its page tables."""
+    # Tokens and positions hashed in one pass (a row each, with its own salt).
+    z = _mix(np.stack([tokens, positions]), _SALTS)
+    rows = np.stack([z % np.uint64(TABLE_ROWS), (z >> np.uint64(32)) % np.uint64(TABLE_ROWS)],
+                    axis=1).reshape(4, -1).astype(np.int64)
+    return rows + _TABLE_OFFSETS
 
 
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
@@ -87,7 +86,7 @@ class SyntheticModel:
         self._token_gain = (signs[0] * (0.8 / 2**0.5)).float().to(device)
         self._pos_gain = (signs[1] * (0.6 / 2**0.5)).float().to(device)
         # The gains of a layer list, gathered once per list (per pool), not per step.
-        self._gains: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._gains: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     def rows(self, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """`table_rows` of `(tokens[i], positions[i])`, shape [4, n], on the device: computed
@@ -114,17 +113,18 @@ class SyntheticModel:
         w = 2 * kv + (q if with_q else 0)
         n = rows.shape[1]
         key = tuple(layers)
-        gains = self._gains.get(key)
+        gains = self._gains.get((key, w))
         if gains is None:
             lay = to_device([np.asarray(key, dtype=np.int64)], self.device)[0]
-            gains = self._gains[key] = (self._token_gain[lay, None], self._pos_gain[lay, None])
+            gains = self._gains[(key, w)] = (self._token_gain[lay, None, :w],
+                                             self._pos_gain[lay, None, :w])
         token_gain, pos_gain = gains
         num = len(key)
         token, pos = self._parts(rows, w)
         group = max(1, max_bytes // max(1, 4 * n * w))
         if group >= num:
             # One group: the K/V (and Q) are the casts of one float32 product, no copies.
-            x = token * token_gain[..., :w] + pos * pos_gain[..., :w]
+            x = token * token_gain + pos * pos_gain
             kv_out = x[..., :2 * kv].to(kv_dtype)
             q_out = x[..., 2 * kv:].to(q_dtype) if with_q else None
         else:
@@ -133,7 +133,7 @@ class SyntheticModel:
                      if with_q else None)
             for g0 in range(0, num, group):
                 g1 = min(num, g0 + group)
-                x = (token * token_gain[g0:g1, :, :w] + pos * pos_gain[g0:g1, :, :w])
+                x = token * token_gain[g0:g1] + pos * pos_gain[g0:g1]
                 kv_out[g0:g1] = x[..., :2 * kv]
                 if with_q:
                     q_out[g0:g1] = x[..., 2 * kv:]
@@ -239,11 +239,14 @@ class SyntheticModel:
         return combos
 
     def _parts(self, rows: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # One gather for all four tables: rows of table i sit at offset i * TABLE_ROWS.
+        # One gather for all four tables (rows of table i sit at offset i * TABLE_ROWS) and
+        # one add for both parts: [token, position] x [first row, second row].
         tables = self._kv_tables if w <= self._kv_tables.shape[2] else self._tables
         flat = tables.view(4 * TABLE_ROWS, -1)
-        g = flat.index_select(0, rows.reshape(-1)).view(4, -1, flat.shape[1])
-        return g[0, :, :w] + g[1, :, :w], g[2, :, :w] + g[3, :, :w]
+        g = flat.index_select(0, rows.reshape(-1)).view(2, 2, -1, flat.shape[1])
+        if w < flat.shape[1]:
+            g = g[..., :w]
+        return (g[:, 0] + g[:, 1]).unbind(0)
 
     def _project(self, rows: torch.Tensor, layers: slice, with_q: bool) -> torch.Tensor:
         kv, _, q = self._split

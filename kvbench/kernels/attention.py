@@ -156,38 +156,48 @@ class PagedBatch:
         self.has_scratch = has_scratch = bool(mask.any())
         if has_scratch:
             _check_scratch_pages(pages[mask], spec, num_layers)
-        # The step's computed tokens, flattened in item order (decode: one per item).
-        if qo_indptr[-1] == n:
-            self.tok_batch = tok_batch = np.arange(n, dtype=np.int64)
-            self.new_positions = positions = starts
-            self.new_tokens = tokens = first_tokens
-            self.tok_rel = tok_rel = starts - kv_start
-            self.tok_page = tok_page = kv_indptr[:-1] + tok_rel // tpb
-        else:
-            self.tok_batch = tok_batch = np.repeat(np.arange(n, dtype=np.int64), counts)
-            self.new_positions = positions = (np.arange(int(qo_indptr[-1]), dtype=np.int64)
-                                              + (starts - qo_indptr[:-1])[tok_batch])
-            self.new_tokens = tokens = np.concatenate(
-                [np.asarray(it.tokens[it.start:it.end], dtype=np.int64) for it in items])
-            self.tok_rel = tok_rel = positions - kv_start[tok_batch]
-            self.tok_page = tok_page = kv_indptr[tok_batch] + tok_rel // tpb
+        self._step_tokens(starts, counts, first_tokens)
         self.device = device
-        # Layer l's page of an entry is `page + l` (a scratch page is the same in every
-        # layer): expanded on the device from the first layer's pages (int32, FlashInfer's
-        # index type) and, with scratch pages, their steps (1 or 0); the write pages (int64,
-        # indexing) likewise from each token's first-layer page.
-        arrays = [pages.astype(np.int32), pages[tok_page], tok_rel % tpb,
-                  table_rows(tokens, positions)]
-        if has_scratch:
-            step = (~mask).astype(np.int32)
-            arrays += [step, step[tok_page].astype(np.int64)]
-        if upload is None:
-            upload = Upload(device)
-            upload.add(arrays, self._on_device)
+        own = upload is None
+        upload = Upload(device) if own else upload
+        upload.add(self._device_arrays(), self._on_device)
+        if own:
             upload.send()
             upload.release()
-        else:
-            upload.add(arrays, self._on_device)
+
+    def _step_tokens(self, starts: np.ndarray, counts: np.ndarray, first_tokens: np.ndarray
+                     ) -> None:
+        """The step's computed tokens, flattened in item order (decode: one per item): item,
+        position, token id, position in the page table, page-table entry."""
+        n, total = len(self.items), int(self.qo_indptr[-1])
+        if total == n:
+            self.tok_batch = np.arange(n, dtype=np.int64)
+            self.new_positions = starts
+            self.new_tokens = first_tokens
+            self.tok_rel = starts - self.kv_start
+            self.tok_page = self.kv_indptr[:-1] + self.tok_rel // self.tpb
+            return
+        self.tok_batch = tok_batch = np.repeat(np.arange(n, dtype=np.int64), counts)
+        self.new_positions = (np.arange(total, dtype=np.int64)
+                              + (starts - self.qo_indptr[:-1])[tok_batch])
+        self.new_tokens = np.concatenate(
+            [np.asarray(it.tokens[it.start:it.end], dtype=np.int64) for it in self.items])
+        self.tok_rel = self.new_positions - self.kv_start[tok_batch]
+        self.tok_page = self.kv_indptr[tok_batch] + self.tok_rel // self.tpb
+
+    def _device_arrays(self) -> list[np.ndarray]:
+        """What the device gets (`_on_device` reads it back in this order). Layer l's page of
+        an entry is `page + l` (a scratch page is the same in every layer): expanded on the
+        device from the first layer's pages (int32, FlashInfer's index type) and, with
+        scratch pages, their steps (1 or 0); the write pages (int64, for indexing) likewise
+        from each token's first-layer page."""
+        pages, tok_page = self.pages, self.tok_page
+        arrays = [pages.astype(np.int32), pages[tok_page], self.tok_rel % self.tpb,
+                  table_rows(self.new_tokens, self.new_positions)]
+        if self.has_scratch:
+            step = (~self.scratch_mask).astype(np.int32)
+            arrays += [step, step[tok_page].astype(np.int64)]
+        return arrays
 
     def _on_device(self, tables: list[torch.Tensor]) -> None:
         """The batch's device tables, from its uploaded arrays (see `__init__`)."""

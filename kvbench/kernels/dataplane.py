@@ -200,20 +200,7 @@ class DataPlane:
         if self.engine is not None:
             self.engine.prepare(tokens)
         marks = self._marks(stream)
-        copied = copy_bytes = 0
-        if marks is not None:
-            # Copies run on their own stream, from the step's start.
-            self.copy_stream.wait_event(marks.start)
-            torch.cuda.set_stream(self.copy_stream)
-        try:
-            for pool, ops in by_pool.items():
-                n = self.copier.run(pool, ops, step)
-                copied += n
-                copy_bytes += n * self.pools[pool].slot_bytes
-        finally:
-            if marks is not None:
-                marks.copy.record(self.copy_stream)
-                torch.cuda.set_stream(stream)
+        copied, copy_bytes = self._copy(by_pool, step, marks, stream)
         if self.engine is not None:
             self.engine.run(tokens)
         if marks is not None:
@@ -240,6 +227,25 @@ class DataPlane:
                        for (verifier, pool, kv, batch, layers, q, _), out in zip(attend, outs)]
         return self._finish_step(step, checks if check else None, times, copied, copy_bytes,
                                  t_start)
+
+    def _copy(self, by_pool: Mapping[int, Sequence[CopyOp]], step: int, marks: _Marks | None,
+              stream) -> tuple[int, int]:
+        """Run the step's copy ops (on CUDA on the copy stream, from the step's start, and
+        marked at their end); returns (blocks, bytes) moved."""
+        copied = copy_bytes = 0
+        if marks is not None:
+            self.copy_stream.wait_event(marks.start)
+            torch.cuda.set_stream(self.copy_stream)
+        try:
+            for pool, ops in by_pool.items():
+                n = self.copier.run(pool, ops, step)
+                copied += n
+                copy_bytes += n * self.pools[pool].slot_bytes
+        finally:
+            if marks is not None:
+                marks.copy.record(self.copy_stream)
+                torch.cuda.set_stream(stream)
+        return copied, copy_bytes
 
     def _marks(self, stream) -> _Marks | None:
         """The step's phase events (None on CPU), a free set reused, its start recorded."""

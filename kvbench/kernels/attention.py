@@ -216,13 +216,18 @@ class PagedBatch:
         item `i` at layer `l`; its pages are `pages_dev[l]`'s, so the flattened `pages_dev`
         is the matching index array), int32: `[2, L * n + 1]` (qo_indptr, kv_indptr) and
         `[2, L * n]` (last_page_len, kv_len)."""
-        L = self.num_layers
-        ptr = np.stack([self.qo_indptr, self.kv_indptr])
-        total = ptr[:, -1:]
-        out = np.empty((2, L * (ptr.shape[1] - 1) + 1), np.int32)
-        out[:, :-1] = (ptr[:, None, :-1] + np.arange(L)[:, None] * total[:, None]).reshape(2, -1)
-        out[:, -1:] = L * total
-        return out, np.tile(np.stack([self.last_page_len, self.kv_len]), L).astype(np.int32)
+        L, n = self.num_layers, len(self.kv_len)
+        layers = np.arange(L)[:, None]
+        ptr = np.empty((2, L * n + 1), np.int32)
+        body = ptr[:, :-1].reshape(2, L, n)  # a view: filled in place, cast on assignment
+        body[0] = self.qo_indptr[:-1] + layers * self.qo_indptr[-1]
+        body[1] = self.kv_indptr[:-1] + layers * self.kv_indptr[-1]
+        ptr[0, -1] = L * self.qo_indptr[-1]
+        ptr[1, -1] = L * self.kv_indptr[-1]
+        lens = np.empty((2, L, n), np.int32)
+        lens[0] = self.last_page_len
+        lens[1] = self.kv_len
+        return ptr, lens.reshape(2, L * n)
 
     def layer_slice(self, layer: int) -> PagedBatch:
         """The batch at one layer of its pool alone (pages shifted to that layer's): how a

@@ -34,17 +34,22 @@ _TOKEN_SALT = 0x5EED_0001
 _POS_SALT = 0x5EED_0002
 
 
-def _mix(x: np.ndarray, salts: np.ndarray) -> np.ndarray:
-    """splitmix64 of the int64 values of each row of `x`, salted per row (`[rows, 1]`
-    uint64 constants), as uint64 (wrapping arithmetic is what we want)."""
-    z = x.astype(np.uint64) + salts
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser of uint64 values, in place (wrapping arithmetic is what we
+    want); numpy scalars as constants, so no Python int is converted per call."""
+    z ^= z >> _U30
+    z *= _M1
+    z ^= z >> _U27
+    z *= _M2
+    z ^= z >> _U31
+    return z
 
 
+_U27, _U30, _U31, _U32 = (np.uint64(k) for k in (27, 30, 31, 32))
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _SALTS = np.array([[(salt * 0x9E3779B97F4A7C15) & _MASK] for salt in (_TOKEN_SALT, _POS_SALT)],
                   dtype=np.uint64)
+_UROWS = np.uint64(TABLE_ROWS)
 _TABLE_OFFSETS = (np.arange(4, dtype=np.int64) * TABLE_ROWS)[:, None]
 
 
@@ -53,11 +58,18 @@ def table_rows(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     `(tokens[i], positions[i])` reads: two per token id (its hash's low and high halves),
     then two per position. The same for every `SyntheticModel`, whose seed picks the tables'
     contents only, so a batch can ship them with its page tables."""
-    # Tokens and positions hashed in one pass (a row each, with its own salt).
-    z = _mix(np.stack([tokens, positions]), _SALTS)
-    rows = np.stack([z % np.uint64(TABLE_ROWS), (z >> np.uint64(32)) % np.uint64(TABLE_ROWS)],
-                    axis=1).reshape(4, -1).astype(np.int64)
-    return rows + _TABLE_OFFSETS
+    # Tokens and positions hashed in one pass (a row each, with its own salt); an int64's
+    # bits as uint64, as `astype` gives them.
+    z = np.empty((2, len(tokens)), np.uint64)
+    z[0] = np.asarray(tokens, dtype=np.int64)
+    z[1] = np.asarray(positions, dtype=np.int64)
+    z += _SALTS
+    _mix(z)
+    rows = np.empty((4, len(tokens)), np.int64)
+    rows[0::2] = z % _UROWS
+    rows[1::2] = (z >> _U32) % _UROWS
+    rows += _TABLE_OFFSETS
+    return rows
 
 
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32}

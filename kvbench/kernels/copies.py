@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ..cache.ids import CopyKind, CopyOp, Tier
+from .staging import to_device
 from .storage import PoolTensors
 
 _VERB = {CopyKind.ONBOARD: "onboarded", CopyKind.OFFLOAD: "offloaded",
@@ -76,9 +78,10 @@ class CopyExecutor:
         src = [self._row(tensors, src_tier, op.src) for op in ops]
         dst = [self._row(tensors, dst_tier, op.dst) for op in ops]
         if src_rows.device == dst_rows.device:
-            dev = src_rows.device
-            gathered = src_rows.index_select(0, torch.tensor(src, device=dev))
-            dst_rows.index_copy_(0, torch.tensor(dst, device=dev), gathered)
+            # The rows go up through the pinned ring: a tensor made from a list on the GPU
+            # is a pageable copy, which would make the host wait for the GPU.
+            src_t, dst_t = to_device([np.asarray(src), np.asarray(dst)], src_rows.device)
+            dst_rows.index_copy_(0, dst_t, src_rows.index_select(0, src_t))
             return
         # Host <-> CUDA: torch has no GPU gather that reads pinned host memory, and gathering
         # on the CPU first would add a second pass over the bytes at memcpy speed, so each run

@@ -34,7 +34,8 @@ def test_model_fingerprints_equal_the_fingerprints_of_its_kv(dtype):
     rows = model.rows(np.arange(-50, 250), np.arange(300) * 7)
     kv = model.kv_exact(rows, LAYERS, kv_dtype).contiguous()
     want = fingerprint(kv.flatten(3), proj)
-    assert torch.equal(model.kv_fingerprints(rows, LAYERS, kv_dtype, proj), want)
+    casts = model.kv_casts(rows, kv_dtype)
+    assert torch.equal(model.kv_fingerprints(casts, LAYERS, proj), want)
     # One layer's keys alone, as a report reads them.
     at = torch.tensor([[0, 5], [299, 1], [7, 7], [100, 3]])
     per_layer = model.kv_exact_per_layer(rows[:, at], LAYERS, kv_dtype)

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvbench.cache.ids import BlockId, CopyKind, CopyOp, Tier  # noqa: E402
-from kvbench.kernels.attention import PagedBatch, TorchBackend, write_kv  # noqa: E402
+from kvbench.kernels.attention import PagedBatch, TorchBackend, attend_casts, write_kv  # noqa: E402
 from kvbench.kernels.copies import _runs, _waves  # noqa: E402
 from kvbench.kernels.dataplane import DataPlane, resolve_backend  # noqa: E402
 from kvbench.kernels.model import SyntheticModel  # noqa: E402
@@ -499,3 +499,30 @@ def test_kv_exact_equals_qkv_all_bit_for_bit(dtype):
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[want.element_size()]
     assert got.shape == want.shape
     assert torch.equal(got.view(bits), want.view(bits))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_reference_from_the_model_casts_matches_naive_for_decode_items(window):
+    """The verifier's decode reference (`attend_casts`: layers on the query side, keys read as
+    the model's four casts) equals naive attention over each layer's K/V."""
+    dp = plane(PoolSpec(layers=(0, 1, 2), num_gpu_slots=8, window=window))
+    seqs = [(1, tokens(10, 1), [0, 1, 2]), (2, tokens(7, 2), [3, 4])]
+    for rid, toks, blocks in seqs:
+        assert prefill(dp, rid, toks, blocks, 0, len(toks) - 1).verified
+    items = [StepItem(rid, toks, blocks, len(toks) - 1, len(toks)) for rid, toks, blocks in seqs]
+    batch = PagedBatch(items, dp.pools[0], TPB, torch.device("cpu"), decode=True)
+    keys = batch.item_keys(windowed=True)
+    model, layers = dp.model, (0, 1, 2)
+    _, q = model.qkv_all(batch.rows, layers, torch.bfloat16, torch.bfloat16)
+    toks_of = np.concatenate([seqs[int(i)][1][[p]] for i, p in zip(keys.item, keys.positions)])
+    casts = model.kv_casts(model.rows(toks_of, keys.positions), torch.bfloat16)
+    got = dict((a, o) for a, b, o in attend_casts(q, casts, model.cast_index(layers), batch,
+                                                   keys, slice(0, 2), window))
+    for i, (rid, toks, _) in enumerate(seqs):
+        k0, k1 = int(keys.indptr[i]), int(keys.indptr[i + 1])
+        pos = keys.positions[k0:k1]
+        kv = model.kv_exact(model.rows(toks[pos], pos), layers, torch.bfloat16)
+        for layer in layers:
+            want = naive_attention(q[layer, i:i + 1].float(), kv[layer, :, 0].float(),
+                                   kv[layer, :, 1].float(), [len(toks) - 1], list(pos), window)
+            assert torch.allclose(got[i][layer].double(), want, atol=1e-5)

@@ -12,7 +12,9 @@ The reference attention (`attend_segments`) runs all layers of a tile of items a
 float32, one run of an item's queries at a time over that item's keys alone (float32 copies
 of the tile's Q/K/V sized to a memory budget, read in place); the torch backend and the
 verifier share it, so the torch backend's output equals the reference bit for bit whenever
-both read the same keys.
+both read the same keys. For decode batches the verifier uses `attend_casts`, the same
+products from the synthetic model's four casts per K/V column (the layers on the query side),
+once the pages are proven to hold the model's K/V.
 """
 
 from __future__ import annotations
@@ -451,9 +453,8 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
     k_base, k_end = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
     # One float32 copy each, heads outside the tokens: every (layer, KV head) run of an
     # item's queries or keys is then a matrix the matmuls read in place, with no padding.
-    f32 = {"dtype": torch.float32, "memory_format": torch.contiguous_format}
-    qh = q.view(G, nq, hk, g, d).transpose(1, 2).to(**f32)
-    kh, vh = k.transpose(1, 2).to(**f32), v.transpose(1, 2).to(**f32)
+    qh = _float32(q.view(G, nq, hk, g, d).transpose(1, 2))
+    kh, vh = _float32(k.transpose(1, 2)), _float32(v.transpose(1, 2))
     qpos, kpos = to_device([batch.new_positions[q_base:q_base + nq],
                             keys.positions[k_base:k_end]], q.device)
     for i, a, b in _segments(batch, keys, items, G, hq, budget):
@@ -469,6 +470,56 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
         p = torch.softmax(scores, dim=-1).view(G * hk, (b - a) * g, k1 - k0)
         o = torch.bmm(p, vh[:, :, k0:k1].reshape(G * hk, k1 - k0, d))
         yield a, b, o.view(G, hk, b - a, g, d).permute(0, 2, 1, 3, 4).reshape(G, b - a, hq, d)
+
+
+def attend_casts(q: torch.Tensor, casts: torch.Tensor, cast: torch.Tensor, batch: PagedBatch,
+                 keys: KeyIndex, items: slice, window: int | None
+                 ) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """`attend_segments` for a tile of decode items (one query each), from the synthetic
+    model's four casts per K/V column (`SyntheticModel.kv_casts`, `[tile keys, 4, w]`) rather
+    than every layer's K/V: column `c` of layer `l` is cast `cast[l, c]`, so a query's scores
+    over a key are its dot product, masked per cast, with the four casts, and its output is
+    the cast-masked sum of its probabilities times each cast's V. The layers then ride on
+    the query side and the keys are read four times, not once per layer. The same products
+    as `attend_segments` (plus exact zeros), in another order. Only valid where the K/V read
+    equal the model's, which the verifier's K/V check establishes first."""
+    G, nq, hq, d = q.shape
+    n = casts.shape[0]
+    hk = casts.shape[2] // (2 * d)
+    g = hq // hk
+    c = casts.view(n, 4, 2, hk, d)
+    # [hk, keys, 4 * d]: per KV head, each key's four casts side by side.
+    ck, cv = (_float32(c[:, :, half].permute(2, 0, 1, 3)).view(hk, n, 4 * d) for half in (0, 1))
+    picks = torch.arange(4, device=q.device)
+    # [hk, G, 4, d]: 1 where layer l's column takes cast a, else 0.
+    kmask, vmask = ((cast[:, half * hk * d:(half + 1) * hk * d].view(G, hk, 1, d)
+                     == picks[:, None]).permute(1, 0, 2, 3).float() for half in (0, 1))
+    # [hk, queries, G, g, 4, d]: each query spread over the casts its layer's K picks.
+    qt = q.view(G, nq, hk, g, d).permute(2, 1, 0, 3, 4).float()[:, :, :, :, None, :] \
+        * kmask[:, None, :, None]
+    q_base = int(batch.qo_indptr[items.start])
+    k_base, k_end = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
+    qpos, kpos = to_device([batch.new_positions[q_base:q_base + nq],
+                            keys.positions[k_base:k_end]], q.device)
+    for i in range(items.start, items.stop):
+        j = int(batch.qo_indptr[i]) - q_base
+        k0, k1 = int(keys.indptr[i]) - k_base, int(keys.indptr[i + 1]) - k_base
+        scores = torch.bmm(qt[:, j].reshape(hk, G * g, 4 * d), ck[:, k0:k1].transpose(1, 2))
+        hidden = kpos[k0:k1] > qpos[j]
+        if window is not None:
+            hidden |= kpos[k0:k1] <= qpos[j] - window
+        scores = scores.mul_(d**-0.5).masked_fill_(hidden, float("-inf"))
+        y = torch.bmm(torch.softmax(scores, dim=-1), cv[:, k0:k1])
+        o = (y.view(hk, G, g, 4, d) * vmask[:, :, None]).sum(3)
+        yield j, j + 1, o.permute(1, 0, 2, 3).reshape(G, 1, hq, d)
+
+
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous float32 copy of `x` in its logical order (one kernel: upcast and
+    relayout; `Tensor.to` alone returns a float32 view as it is)."""
+    if x.dtype == torch.float32:
+        return x.contiguous()
+    return x.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 class TorchBackend:

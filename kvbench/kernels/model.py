@@ -159,15 +159,19 @@ class SyntheticModel:
         """`qkv_all(rows, layers, kv_dtype, None)[0]` bit for bit, without float32 work per
         layer (what the verifier recomputes for every key it reads): a layer's gains are
         one of two constants with a sign per column, so each column of each layer is one of
-        the four casts of `token * (+-g_t) + pos * (+-g_p)`, computed once for all layers
-        (the same float32 operations) and picked per (layer, column). A `[L, n, 2, kv_heads,
+        the four casts of `token * (+-g_t) + pos * (+-g_p)` (`kv_casts`), computed once for
+        all layers and picked per (layer, column) (`cast_index`). A `[L, n, 2, kv_heads,
         head_dim]` view (not contiguous)."""
         s = self.shape
-        combos = self._combos(rows, kv_dtype)
-        n, _, w = combos.shape
+        casts = self.kv_casts(rows, kv_dtype)
+        n, _, w = casts.shape
         index = self._exact_index(layers).view(-1)
-        want = combos.view(n, 4 * w).index_select(1, index)
+        want = casts.view(n, 4 * w).index_select(1, index)
         return want.view(n, len(layers), 2, s.num_kv_heads, s.head_dim).transpose(0, 1)
+
+    def cast_index(self, layers: Sequence[int]) -> torch.Tensor:
+        """`[L, w]`: which of the four casts (`kv_casts`) K/V column `c` of layer `l` is."""
+        return self._exact_index(layers) // (2 * self._split[0])
 
     def kv_exact_per_layer(self, rows: torch.Tensor, layers: Sequence[int],
                            kv_dtype: torch.dtype) -> torch.Tensor:
@@ -175,7 +179,7 @@ class SyntheticModel:
         kv_heads, head_dim]` (a few keys per layer, as a report of a mismatch needs)."""
         s = self.shape
         L, m = rows.shape[1], rows.shape[2]
-        combos = self._combos(rows.reshape(4, -1), kv_dtype)
+        combos = self.kv_casts(rows.reshape(4, -1), kv_dtype)
         w = combos.shape[2]
         index = self._exact_index(layers)[:, None, :].expand(L, m, w)
         # Gathered as integers of the storage type's size (no gather kernels for fp8).
@@ -183,17 +187,17 @@ class SyntheticModel:
         want = ints.view(L, m, 4 * w).gather(2, index).view(combos.dtype)
         return want.view(L, m, 2, s.num_kv_heads, s.head_dim)
 
-    def kv_fingerprints(self, rows: torch.Tensor, layers: Sequence[int], kv_dtype: torch.dtype,
-                        proj: torch.Tensor) -> torch.Tensor:
-        """int32 `[L, n, 2, M]`: `fingerprint(kv_exact(rows, layers, kv_dtype), proj)`, from
-        the four casts alone. A row's projection sums its bytes times `proj`'s rows; the
-        bytes of column `c` at layer `l` are those of the cast `l` picks for `c`, so one
-        integer matmul of the casts' bytes with `proj` spread over (cast, column, layer)
-        gives every layer's fingerprints without the `[L, n, ...]` K/V."""
-        combos = self._combos(rows, kv_dtype)
-        n, _, w = combos.shape
-        weights = self._fingerprint_weights(layers, combos.element_size(), proj)
-        sums = int_matmul(combos.view(torch.int8).view(n, -1), weights)
+    def kv_fingerprints(self, casts: torch.Tensor, layers: Sequence[int], proj: torch.Tensor
+                        ) -> torch.Tensor:
+        """int32 `[L, n, 2, M]`: the `fingerprint`s (with `proj`) of the K/V of `layers` whose
+        casts (`kv_casts`) are given, from the casts alone. A row's projection sums its bytes
+        times `proj`'s rows; the bytes of column `c` at layer `l` are those of the cast `l`
+        picks for `c`, so one integer matmul of the casts' bytes with `proj` spread over
+        (cast, column, layer) gives every layer's fingerprints without the `[L, n, ...]`
+        K/V."""
+        n, _, w = casts.shape
+        weights = self._fingerprint_weights(layers, casts.element_size(), proj)
+        sums = int_matmul(casts.view(torch.int8).view(n, -1), weights)
         return sums.view(n, len(layers), 2, proj.shape[1]).transpose(0, 1)
 
     def _exact_index(self, layers: Sequence[int]) -> torch.Tensor:
@@ -230,7 +234,7 @@ class SyntheticModel:
                 weights.to(torch.int8).reshape(4 * w * esize, -1))
         return weights
 
-    def _combos(self, rows: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    def kv_casts(self, rows: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
         """`[n, 4, w]`: the four casts of `token * (+-g_t) + pos * (+-g_p)` per K/V column,
         in cast order (`+ +`, `+ -`, `- +`, `- -`)."""
         w = 2 * self._split[0]

@@ -7,7 +7,9 @@ a block overwritten after it was claimed, or a block reused at another position 
 here, whatever the tolerances (`SyntheticModel.kv_exact` recomputes them without float32
 work per layer). Then the backend's output must match the reference attention
 (`attention.attend_segments`) on the K/V read, which the first check proved equal to the
-model's, within the tolerance of the dtype.
+model's, within the tolerance of the dtype; for decode batches the reference reads those K/V
+as the model's four casts per column (`attention.attend_casts`: a decode query's cost is the
+keys it reads, and every layer's keys are picks of the same four casts).
 
 Bits are compared through `fingerprint`s (exact integer projections of each K/V row's bytes;
 the model gives the expected ones from its four per-column casts, `kv_fingerprints`), so a
@@ -29,8 +31,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .attention import (KeyIndex, PagedBatch, attend_segments, gather_keys, tile_bytes, tiles,
-                        widest_int)
+from .attention import (KeyIndex, PagedBatch, attend_casts, attend_segments, gather_keys,
+                        tile_bytes, tiles, widest_int)
 from .fingerprint import fingerprint, projections
 from .model import SyntheticModel
 from .staging import to_device
@@ -90,22 +92,30 @@ class Verifier:
         ref_q = torch.zeros_like(err_q)
         per_key = 2 * s.num_kv_heads * s.head_dim * 4
         budget = tile_bytes(dev)
-        rows_of: tuple[slice, torch.Tensor, torch.Tensor] | None = None
+        tile_keys: tuple | None = None
         for lay, items in tiles(np.diff(keys.indptr), L, per_key, budget):
             k0, k1 = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
-            if rows_of is None or rows_of[0] != items:
-                key_item = to_device([keys.item[k0:k1] - items.start], dev)[0]
-                rows_of = items, self.model.rows(batch_tokens(batch, keys, items),
-                                                 keys.positions[k0:k1]), key_item
+            if tile_keys is None or tile_keys[0] != items:
+                # The tile's keys (table rows, their item, the model's casts) serve every
+                # layer group of the same items.
+                rows = self.model.rows(batch_tokens(batch, keys, items), keys.positions[k0:k1])
+                tile_keys = (items, rows, to_device([keys.item[k0:k1] - items.start], dev)[0],
+                             self.model.kv_casts(rows, self.dtype))
             got = gather_keys(kv, batch, keys, lay, items)
-            self._check_keys(got, rows_of[1], rows_of[2], layers[lay], k0, k1,
-                             (kv_bad, first_key, key_err), (lay, items))
-            # The reference reads the pages' K/V (in their storage type; upcast once per tile):
-            # where they differ from the model's, the K/V mismatch is what gets reported.
-            q0 = int(batch.qo_indptr[items.start])
-            for a, b, ref in attend_segments(q[lay, q0:int(batch.qo_indptr[items.stop])],
-                                             got[:, :, 0], got[:, :, 1], batch, keys, items,
-                                             batch.window, budget):
+            self._check_keys(got, tile_keys, layers[lay], k0, k1,
+                             (kv_bad, first_key, key_err), lay)
+            # The reference reads the K/V the check just compared with the model's (where
+            # they differ, the K/V mismatch is what gets reported): for decode items as the
+            # model's casts, else the pages' K/V in their storage type, upcast once per tile.
+            q0, q1 = int(batch.qo_indptr[items.start]), int(batch.qo_indptr[items.stop])
+            if batch.decode:
+                refs = attend_casts(q[lay, q0:q1], tile_keys[3],
+                                    self.model.cast_index(layers[lay]), batch, keys, items,
+                                    batch.window)
+            else:
+                refs = attend_segments(q[lay, q0:q1], got[:, :, 0], got[:, :, 1], batch, keys,
+                                       items, batch.window, budget)
+            for a, b, ref in refs:
                 o = out[lay, q0 + a:q0 + b].float()
                 err_q[lay, q0 + a:q0 + b] = (o - ref).abs().amax(dim=(2, 3))
                 ref_q[lay, q0 + a:q0 + b] = ref.abs().amax(dim=(2, 3))
@@ -114,18 +124,17 @@ class Verifier:
                      torch.stack([kv_bad, attn_bad.float(), err_item]), first_key, key_err,
                      err_q, ref_item)
 
-    def _check_keys(self, got: torch.Tensor, rows: torch.Tensor, key_item: torch.Tensor,
-                    layers: tuple[int, ...], k0: int, k1: int, out: tuple, at_tile: tuple
-                    ) -> None:
+    def _check_keys(self, got: torch.Tensor, tile_keys: tuple, layers: tuple[int, ...],
+                    k0: int, k1: int, out: tuple, lay: slice) -> None:
         """The K/V check of one tile: `got` `[G, keys, 2, kv_heads, head_dim]` read through
-        the page tables for keys `[k0, k1)` (their table `rows`, their item `key_item`) at
-        `layers`. Writes the tile's (layer, item) cells of `out` = (K/V wrong, first wrong
-        key, its largest K/V difference) at `at_tile` = (layer range, item range)."""
+        the page tables for keys `[k0, k1)` at `layers`; `tile_keys` = (item range, the keys'
+        table rows, their item, the model's casts). Writes the tile's (layer, item) cells of
+        `out` = (K/V wrong, first wrong key, its largest K/V difference) at layers `lay`."""
         kv_bad, first_key, key_err = out
-        lay, items = at_tile
+        items, rows, key_item, casts = tile_keys
         dev = got.device
         if self.proj is not None:
-            want = self.model.kv_fingerprints(rows, layers, self.dtype, self.proj)
+            want = self.model.kv_fingerprints(casts, layers, self.proj)
             wrong = (fingerprint(got.flatten(3), self.proj) != want).flatten(2).any(-1)
         else:
             # Bit for bit: any other bits than the model's (NaN included) are wrong.

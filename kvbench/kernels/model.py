@@ -200,6 +200,26 @@ class SyntheticModel:
         sums = int_matmul(casts.view(torch.int8).view(n, -1), weights)
         return sums.view(n, len(layers), 2, proj.shape[1]).transpose(0, 1)
 
+    def kv_casts(self, rows: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+        """`[n, 4, w]`: the four casts of `token * (+-g_t) + pos * (+-g_p)` per K/V column,
+        in cast order (`+ +`, `+ -`, `- +`, `- -`)."""
+        w = 2 * self._split[0]
+        key = ("gains",)
+        gains = self._gains.get(key)
+        if gains is None:
+            gains = self._gains[key] = (self._token_gain.abs().amax(),
+                                        self._pos_gain.abs().amax())
+        token, pos = self._parts(rows, w)
+        # x * (-g) is -(x * g) exactly, and x + (-y) is x - y: two products and four sums
+        # give the four casts (an FMA-free float32 product each, as `qkv_all` computes).
+        a, b = token.mul_(gains[0]), pos.mul_(gains[1])
+        combos = torch.empty((token.shape[0], 4, w), dtype=kv_dtype, device=self.device)
+        combos[:, 0] = a + b
+        combos[:, 1] = a - b
+        combos[:, 2] = b - a
+        combos[:, 3] = a.neg_().sub_(b)
+        return combos
+
     def _exact_index(self, layers: Sequence[int]) -> torch.Tensor:
         """`[L, w]`: per layer and K/V column, the column of the four casts `[4 * w]` it
         takes (cast `(token gain < 0) * 2 + (position gain < 0)`)."""
@@ -233,26 +253,6 @@ class SyntheticModel:
             weights = self._gains[key] = column_major(
                 weights.to(torch.int8).reshape(4 * w * esize, -1))
         return weights
-
-    def kv_casts(self, rows: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
-        """`[n, 4, w]`: the four casts of `token * (+-g_t) + pos * (+-g_p)` per K/V column,
-        in cast order (`+ +`, `+ -`, `- +`, `- -`)."""
-        w = 2 * self._split[0]
-        key = ("gains",)
-        gains = self._gains.get(key)
-        if gains is None:
-            gains = self._gains[key] = (self._token_gain.abs().amax(),
-                                        self._pos_gain.abs().amax())
-        token, pos = self._parts(rows, w)
-        # x * (-g) is -(x * g) exactly, and x + (-y) is x - y: two products and four sums
-        # give the four casts (an FMA-free float32 product each, as `qkv_all` computes).
-        a, b = token.mul_(gains[0]), pos.mul_(gains[1])
-        combos = torch.empty((token.shape[0], 4, w), dtype=kv_dtype, device=self.device)
-        combos[:, 0] = a + b
-        combos[:, 1] = a - b
-        combos[:, 2] = b - a
-        combos[:, 3] = a.neg_().sub_(b)
-        return combos
 
     def _parts(self, rows: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         # One gather for all four tables (rows of table i sit at offset i * TABLE_ROWS) and

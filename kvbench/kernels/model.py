@@ -97,8 +97,9 @@ class SyntheticModel:
         # Each part sums two N(0, 1) rows; scaled so K, V and Q entries are N(0, 1) again.
         self._token_gain = (signs[0] * (0.8 / 2**0.5)).float().to(device)
         self._pos_gain = (signs[1] * (0.6 / 2**0.5)).float().to(device)
-        # The gains of a layer list, gathered once per list (per pool), not per step.
-        self._gains: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        # What a layer list's gains give (gathered gains, cast indices, fingerprint
+        # weights), made once per list (per pool), not per step.
+        self._gains: dict[tuple, object] = {}
 
     def rows(self, tokens: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """`table_rows` of `(tokens[i], positions[i])`, shape [4, n], on the device: computed

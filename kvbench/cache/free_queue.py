@@ -151,7 +151,7 @@ class FreeQueue:
         out: list[BlockId] = []
         append = out.append
         s = self._sentinel0 + fifo
-        nxt, prv, lv = self._next, self._prev, self._level
+        nxt, lv = self._next, self._level
         b = nxt[s]
         if stamps is None:
             while b != s and n:
@@ -165,12 +165,33 @@ class FreeQueue:
                 lv[b] = _NONE
                 b = nxt[b]
                 n -= 1
-        nxt[s] = b
-        prv[b] = s
+        self._cut_front(fifo, b, len(out))
+        return out
+
+    def pop_marked(self, fifo: int, n: int, marks) -> list[BlockId]:
+        """Up to `n` blocks from the front of FIFO `fifo` while `marks[block]` is nonzero (a
+        policy's run of heads that each get a second chance)."""
+        out: list[BlockId] = []
+        append = out.append
+        s = self._sentinel0 + fifo
+        nxt, lv = self._next, self._level
+        b = nxt[s]
+        while b != s and n and marks[b]:
+            append(b)
+            lv[b] = _NONE
+            b = nxt[b]
+            n -= 1
+        self._cut_front(fifo, b, len(out))
+        return out
+
+    def _cut_front(self, fifo: int, b: int, taken: int) -> None:
+        """FIFO `fifo` now starts at `b` (its sentinel when emptied): `taken` blocks left."""
+        s = self._sentinel0 + fifo
+        self._next[s] = b
+        self._prev[b] = s
         if b == s:
             self._nonempty &= ~(1 << fifo)
-        self._size -= len(out)
-        return out
+        self._size -= taken
 
     def remove(self, block: BlockId) -> int:
         """Unlink `block`; returns the FIFO it left (its level with one class)."""

@@ -19,6 +19,9 @@ before their parents and orphans are rare.
 
 from __future__ import annotations
 
+from itertools import compress, islice
+from operator import itemgetter
+
 import numpy as np
 
 from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
@@ -68,9 +71,16 @@ class KeyHistory:
     numpy: a dict of it misses the CPU caches on every access, one access at a time; a batch
     overlaps them. A small one (S3-FIFO's ghosts, about the pool) is a dict: it stays in the
     CPU caches, and a few dict operations per block cost less than a numpy batch per call on
-    the short runs that S3-FIFO reads and writes."""
+    the short runs that S3-FIFO reads and writes. The dict is kept in entry order (a key
+    written again moves to the end), so a drop cuts its oldest part off.
 
-    __slots__ = ("capacity", "clock", "count", "_keys", "_entries", "_mask", "_shift", "_map")
+    The table drops keys lazily: a drop only raises the cut below which entries count as
+    forgotten (one pass to count the keys left); forgotten keys keep their slots, and a key
+    written again takes its old slot back, until the table is half full of keys remembered
+    or not and is rebuilt without the forgotten ones."""
+
+    __slots__ = ("capacity", "clock", "count", "_keys", "_entries", "_mask", "_shift", "_map",
+                 "_cut", "_used")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
@@ -80,6 +90,11 @@ class KeyHistory:
         self._map: dict[BlockKey, int] | None = (
             {} if self.capacity <= DICT_HISTORY_MAX else None)
         """The dict backing, or None for the table."""
+        self._cut = 1
+        """Table entries below this are forgotten keys or free slots (0); entries written are
+        at least `1 << 8` (ticks start at 1)."""
+        self._used = 0
+        """Table slots holding a key, remembered or forgotten."""
         if self._map is None:
             self._alloc(16)  # grows to stay at most half full
 
@@ -98,39 +113,46 @@ class KeyHistory:
         if slots is None:  # home slots by Fibonacci hashing: trace keys are structured ints
             slots = ((keys.view(np.uint64) * _MIX) >> self._shift).view(np.int64)
         at = table[slots]
-        busy = np.flatnonzero((at != keys) & (at != _EMPTY))
+        busy = ((at != keys) & (at != _EMPTY)).nonzero()[0]
         while busy.size:  # the next slot of each key still on another key's
             slots[busy] = (slots[busy] + 1) & mask
             at = table[slots[busy]]
             busy = busy[(at != keys[busy]) & (at != _EMPTY)]
-        return slots, np.where(table[slots] == keys, self._entries[slots], -1)
+        # A free slot's entry (0) is below the cut, as a forgotten key's is.
+        entries = self._entries[slots]
+        return slots, np.where(entries >= self._cut, entries, -1)
 
     def store(self, keys: np.ndarray, slots: np.ndarray, entries: np.ndarray) -> None:
         """Remember `entries` for distinct `keys` at their `slots` from `find` (nothing
         stored since); then drop old keys if the history is full."""
         m = self._map
-        if m is not None:
-            m.update(zip(keys.tolist(), entries.tolist()))
+        if m is not None:  # kept in entry order: the batch's entries are the newest
+            keys = keys.tolist()
+            for k in keys:
+                m.pop(k, None)
+            m.update(sorted(zip(keys, entries.tolist()), key=itemgetter(1)))
             if len(m) > 2 * self.capacity:
                 self._settle()
             return
-        table = self._keys
-        new = np.flatnonzero(table[slots] != keys)
-        if 2 * (self.count + new.size) > len(table):  # keep the table at most half full
-            self._rebuild(table != _EMPTY, 4 * (self.count + new.size))
-            table = self._keys
+        table, stored = self._keys, self._entries
+        new = (table[slots] != keys).nonzero()[0]
+        if 2 * (self._used + new.size) > len(table):  # keep the table at most half full
+            self._rebuild(4 * (self.count + new.size))
+            table, stored = self._keys, self._entries
             slots, _ = self.find(keys)
-            new = np.flatnonzero(table[slots] != keys)
+            new = (table[slots] != keys).nonzero()[0]
+        # Keys remembered from now: those in free slots and forgotten ones in their old slots.
+        self.count += int(np.count_nonzero(stored[slots] < self._cut))
+        self._used += new.size
         while new.size:  # claim the free slots; keys that lost one to another probe on
             at = slots[new]
             table[at] = keys[new]
             lost = new[table[at] != keys[new]]
-            self.count += new.size - lost.size
             if not lost.size:
                 break
             slots[lost], _ = self.find(keys[lost], (slots[lost] + 1) & self._mask)
             new = lost
-        self._entries[slots] = entries
+        stored[slots] = entries
         if self.count > 2 * self.capacity:
             self._settle()
 
@@ -146,15 +168,25 @@ class KeyHistory:
         remembered just before."""
         m = self._map
         if m is not None:
+            seen = list(map(m.__contains__, keys))  # None never is
+            known = keys if None not in keys else [k for k in keys if k is not None]
+            clock, most = self.clock, 2 * self.capacity
+            if len(m) + len(known) - sum(seen) <= most:  # no settle on the way: one batch
+                for k in compress(keys, seen):  # to the end, in entry order
+                    del m[k]
+                m.update(zip(known, range((clock + 1) << 8, (clock + len(known) + 1) << 8,
+                                          1 << 8)))
+                self.clock = clock + len(known)
+                return seen
             seen = []
             was = seen.append
-            clock, most = self.clock, 2 * self.capacity
             for k in keys:
                 if k is None:
                     was(False)
                     continue
                 clock += 1
                 was(k in m)
+                m.pop(k, None)
                 m[k] = clock << 8
                 if len(m) > most:
                     self.clock = clock
@@ -183,13 +215,18 @@ class KeyHistory:
         return seen
 
     def _settle(self) -> None:
-        cut = (self.clock - self.capacity) << 8
-        if self._map is not None:
-            self._map = {k: e for k, e in self._map.items() if e >= cut}
+        cut = (self.clock - self.capacity) << 8  # > 0: the clock is past 2 x capacity here
+        m = self._map
+        if m is not None:  # in entry order: the old keys come first
+            old = int(np.searchsorted(np.fromiter(m.values(), np.int64, len(m)), cut))
+            self._map = dict(islice(m.items(), old, None))
             return
-        self._rebuild((self._keys != _EMPTY) & (self._entries >= cut), len(self._keys))
+        self._cut = cut
+        self.count = int(np.count_nonzero(self._entries >= cut))
 
-    def _rebuild(self, keep: np.ndarray, size: int) -> None:
+    def _rebuild(self, size: int) -> None:
+        """A table of `size` slots holding the remembered keys alone."""
+        keep = (self._entries >= self._cut).nonzero()[0]
         keys, entries = self._keys[keep], self._entries[keep]
         self._alloc(size)
         if keys.size:
@@ -203,6 +240,7 @@ class KeyHistory:
         self._mask = size - 1
         self._shift = np.uint64(65 - size.bit_length())
         self.count = 0
+        self._used = 0
 
 
 class ClassQueuePolicy:

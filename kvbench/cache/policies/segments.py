@@ -225,7 +225,10 @@ class S3FIFOPolicy(_TwoQueues):
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
         queue, in_second, freq = self.queue, self._in_second, self._freq
-        hist, stored, rec = self.history, self.index.stored, self._rec
+        stored, rec = self.index.stored, self._rec
+        ghosts: list = []
+        """Keys evicted from the small FIFO, in order: recorded when the call ends (nothing
+        reads the history meanwhile)."""
         while len(out) < n and len(queue):
             fs, fm = queue.lowest_fifo(_FIRST), queue.lowest_fifo(_SECOND)
             lf = fs >> 1 if fs >= 0 else NUM_PRIORITY_LEVELS
@@ -237,17 +240,19 @@ class S3FIFOPolicy(_TwoQueues):
                 k = n - len(out) if lf < ls else min(n - len(out), num_first - self._target)
                 run = queue.pop_upto(fs, k, freq, 0)
                 if run:  # their keys become ghosts
-                    hist.record_each([stored[b][0] for b in run])
                     for b in run:
+                        ghosts.append(stored[b][0])
                         rec[b] = None
                     out += run
                 else:
-                    b = queue.head(fs)
-                    queue.remove(b)
-                    freq[b] = 0
-                    in_second[b] = 1
-                    queue.push_run([b], fs + 1)
-                    self.num_second += 1
+                    # Accessed heads move to the main FIFO's tail as a run: after the first,
+                    # each one moves while the small FIFO holds more than its target.
+                    moved = queue.pop_marked(fs, max(1, num_first - self._target), freq)
+                    for b in moved:
+                        freq[b] = 0
+                        in_second[b] = 1
+                    queue.push_run(moved, fs + 1)
+                    self.num_second += len(moved)
             else:
                 run = queue.pop_upto(fm, n - len(out), freq, 0)
                 if run:
@@ -256,9 +261,11 @@ class S3FIFOPolicy(_TwoQueues):
                         rec[b] = None
                     self.num_second -= len(run)
                     out += run
-                else:  # an accessed head: a second chance at the tail
-                    b = queue.head(fm)
-                    queue.remove(b)
-                    freq[b] -= 1
-                    queue.push_run([b], fm)
+                else:  # accessed heads: a second chance each, at the tail in order
+                    moved = queue.pop_marked(fm, len(queue), freq)
+                    for b in moved:
+                        freq[b] -= 1
+                    queue.push_run(moved, fm)
+        if ghosts:
+            self.history.record_each(ghosts)
         return out

@@ -36,12 +36,14 @@ anyway), and at equal rank the block pushed first goes first; a release pushes i
 block first, so in either order a chain is evicted from its tip.
 
 Structure, per retention priority level, all lazy: every queued block has a tag (its push
-order and id); a FIFO of all tags (the LRU order), a FIFO of the tags of once-used blocks and
-a binary heap of `(rank, tag)` for the others (the LRU-2 order). A claimed, requeued or
-evicted block's tag changes, so its old entries are skipped when they surface and dropped when
-a structure is compacted (when it holds more than twice its live entries). A release costs a
-C-level extend for the whole chain plus a heap push per block that was used before; a victim
-one pop.
+order and id); a FIFO of all tags (the LRU order), a FIFO of the tags of once-used blocks and,
+for the others (the LRU-2 order, by rank then tag), runs: the blocks of one push with one rank
+(consecutive tags), in a binary heap keyed by `(rank, first tag)`. Runs of one rank hold
+disjoint tag ranges, so that key orders whole runs: the victims are the front run's tags in
+order, and a heap operation is paid per run, not per block (the running minimum gives a
+release's chain few distinct ranks). A claimed, requeued or evicted block's tag changes, so its
+old entries are skipped when they surface and dropped when a structure is compacted (when it
+holds more than twice its live entries).
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
-from itertools import compress, repeat
-from operator import and_, eq, itemgetter, lshift, mod, not_, or_
+from itertools import compress, groupby, repeat
+from operator import and_, eq, itemgetter
 
 import numpy as np
 
@@ -87,7 +89,7 @@ class LRU2Policy:
     LRU shadow holds more of the sampled keys."""
 
     __slots__ = ("index", "capacity", "params", "history", "use_lru2", "shadow_hits",
-                 "_tag", "_rank", "_level", "_live", "_once_live", "_fifo", "_once", "_heaps",
+                 "_tag", "_rank", "_level", "_live", "_once_live", "_fifo", "_once", "_runs", "_in_runs",
                  "_nonempty", "_size", "_order", "_shadow_lru", "_shadow_lru2", "_shadow_heap",
                  "_shadow_cap", "_shadow_order", "_halve_at")
 
@@ -112,7 +114,10 @@ class LRU2Policy:
         """Per level: queued blocks of rank 0."""
         self._fifo = [deque() for _ in range(NUM_PRIORITY_LEVELS)]
         self._once = [deque() for _ in range(NUM_PRIORITY_LEVELS)]
-        self._heaps: list[list[int]] = [[] for _ in range(NUM_PRIORITY_LEVELS)]
+        self._runs: list[list[tuple[int, deque]]] = [[] for _ in range(NUM_PRIORITY_LEVELS)]
+        """Per level: heap of `((rank << _TAG_BITS) | first tag, tags)` runs."""
+        self._in_runs = [0] * NUM_PRIORITY_LEVELS
+        """Per level: tags in runs, stale ones included."""
         self._nonempty = 0
         self._size = 0
         self._order = 0
@@ -148,13 +153,17 @@ class LRU2Policy:
         ticks = np.where(earlier < 0, 0, earlier >> 8)
         if partial:
             ticks = np.append(ticks, 0)
-        ranks = np.minimum.accumulate(ticks).tolist()
-        ranks.reverse()  # deepest first, as `blocks`
+        capped = np.minimum.accumulate(ticks)
         hist.clock = clock + n
         hist.store(known, slots,
                    np.arange(clock + 1, clock + known.size + 1, dtype=np.int64) << 8)
-        if self._shadow_cap:
-            self._shadow(keys, ranks)
+        if self._shadow_cap:  # the sampled keys (a partial block has none) and their ranks
+            picked = (known % _SAMPLE_PRIME % self.params.shadow_sampling == 0).nonzero()[0]
+            if picked.size:
+                self._shadow(known[picked].tolist(), capped[picked].tolist())
+            self._choose()
+        ranks = capped.tolist()
+        ranks.reverse()  # deepest first, as `blocks`
         self._push_ranked(blocks, ranks, priority)
 
     def push_back(self, block: BlockId, priority: int) -> None:
@@ -212,14 +221,22 @@ class LRU2Policy:
                         tag[b] = 0
                         append(b)
                         once -= 1
-                heap = self._heaps[lv]
-                while want:
-                    t = heappop(heap) & _TAG_MASK
-                    b = t & _BLOCK_MASK
-                    if tag[b] == t:
-                        tag[b] = 0
-                        append(b)
-                        want -= 1
+                runs = self._runs[lv]
+                taken = 0
+                while want:  # then the front run's tags, run by run
+                    run = runs[0][1]
+                    pop = run.popleft
+                    while run and want:
+                        t = pop()
+                        taken += 1
+                        b = t & _BLOCK_MASK
+                        if tag[b] == t:
+                            tag[b] = 0
+                            append(b)
+                            want -= 1
+                    if not run:
+                        heappop(runs)
+                self._in_runs[lv] -= taken
             live[lv] -= take
             self._size -= take
             if not live[lv]:
@@ -239,25 +256,29 @@ class LRU2Policy:
 
     def _push_ranked(self, blocks: list[BlockId], ranks: list[int], priority: int) -> None:
         """Queue `blocks` with `ranks` (non-decreasing: the rank-0 blocks come first)."""
-        tag = self._tag
-        assert not any(map(tag.__getitem__, blocks)), "block already in the free queue"
+        tag, rank, level = self._tag, self._rank, self._level
         n = len(blocks)
-        order = self._order
-        tags = list(map(or_, map(lshift, range(order + 1, order + n + 1), repeat(_BLOCK_BITS, n)),
-                        blocks))
-        self._order = order + n
-        list(map(tag.__setitem__, blocks, tags))
-        list(map(self._rank.__setitem__, blocks, ranks))
-        list(map(self._level.__setitem__, blocks, repeat(priority, n)))
+        o = self._order
+        self._order = o + n
+        tags = [(o << _BLOCK_BITS) | b for o, b in zip(range(o + 1, o + n + 1), blocks)]
+        for b, t, r in zip(blocks, tags, ranks):
+            assert not tag[b], "block already in the free queue"
+            tag[b] = t
+            rank[b] = r
+            level[b] = priority
         m = ranks.count(0)
         self._fifo[priority].extend(tags)
         if m:
             self._once[priority].extend(tags[:m])
             self._once_live[priority] += m
         if m < n:
-            heap = self._heaps[priority]
-            for r, t in zip(ranks[m:], tags[m:]):
-                heappush(heap, (r << _TAG_BITS) | t)
+            runs = self._runs[priority]
+            i = m
+            for r, same in groupby(ranks[m:]):
+                j = i + len(list(same))
+                heappush(runs, ((r << _TAG_BITS) | tags[i], deque(tags[i:j])))
+                i = j
+            self._in_runs[priority] += n - m
         self._size += n
         live = self._live[priority] = self._live[priority] + n
         self._nonempty |= 1 << priority
@@ -272,10 +293,13 @@ class LRU2Policy:
         once = self._once[lv]
         if len(once) > 2 * self._once_live[lv] + 64:
             self._once[lv] = deque(compress(once, self._live_tags(once)))
-        heap = self._heaps[lv]
-        if len(heap) > 2 * (live - self._once_live[lv]) + 64:
-            heap[:] = compress(heap, self._live_tags(list(map(and_, heap, repeat(_TAG_MASK)))))
-            heapify(heap)
+        if self._in_runs[lv] > 2 * (live - self._once_live[lv]) + 64:
+            # Keys stay: a run's remaining tags keep their order among the other runs.
+            runs = [(key, kept) for key, run in self._runs[lv]
+                    if (kept := deque(compress(run, self._live_tags(run))))]
+            heapify(runs)
+            self._runs[lv] = runs
+            self._in_runs[lv] = sum(len(run) for _, run in runs)
 
     def _live_tags(self, tags):
         """Per tag in `tags`: whether it is its block's current one (C-level iterators: a
@@ -286,47 +310,41 @@ class LRU2Policy:
         """Level `lv` has no queued block left: only stale entries remain."""
         self._fifo[lv].clear()
         self._once[lv].clear()
-        self._heaps[lv].clear()
+        self._runs[lv].clear()
+        self._in_runs[lv] = 0
         self._nonempty &= ~(1 << lv)
 
     def _shadow(self, keys: list, ranks: list[int]) -> None:
-        """Replay a release's sampled keys (`keys` shallowest first, `ranks` deepest first)
-        against both shadows, in the pool's push order, and pick the order."""
-        sampling = self.params.shadow_sampling
-        n = len(keys)
-        if keys[-1] is None:  # a partial block, only ever the tip: not a reusable key
-            n -= 1
-            keys = keys[:n]
-            ranks = ranks[1:]
-        ranks = ranks[::-1]  # shallowest first, as keys
-        picked = list(compress(zip(keys, ranks), map(not_, map(
-            mod, map(mod, keys, repeat(_SAMPLE_PRIME, n)), repeat(sampling, n)))))
-        if picked:
-            hits = self.shadow_hits
-            lru, lru2, heap = self._shadow_lru, self._shadow_lru2, self._shadow_heap
-            cap = self._shadow_cap
-            order = self._shadow_order
-            for k, r in reversed(picked):  # deepest first
-                if k in lru:
-                    hits[0] += 1
-                    lru.move_to_end(k)
-                else:
-                    lru[k] = None
-                if k in lru2:
-                    hits[1] += 1
-                order += 1
-                lru2[k] = e = (r, order, k)
-                heappush(heap, e)
-            self._shadow_order = order
-            while len(lru) > cap:
-                lru.popitem(last=False)
-            while len(lru2) > cap:
-                e = heappop(heap)
-                if lru2.get(e[2]) is e:
-                    del lru2[e[2]]
-            if len(heap) > 2 * len(lru2) + 64:
-                heap[:] = [e for e in heap if lru2.get(e[2]) is e]
-                heapify(heap)
+        """Replay a release's sampled keys with their ranks (shallowest first) against both
+        shadows, in the pool's push order (deepest first)."""
+        hits = self.shadow_hits
+        lru, lru2, heap = self._shadow_lru, self._shadow_lru2, self._shadow_heap
+        cap = self._shadow_cap
+        order = self._shadow_order
+        for k, r in zip(reversed(keys), reversed(ranks)):
+            if k in lru:
+                hits[0] += 1
+                lru.move_to_end(k)
+            else:
+                lru[k] = None
+            if k in lru2:
+                hits[1] += 1
+            order += 1
+            lru2[k] = e = (r, order, k)
+            heappush(heap, e)
+        self._shadow_order = order
+        while len(lru) > cap:
+            lru.popitem(last=False)
+        while len(lru2) > cap:
+            e = heappop(heap)
+            if lru2.get(e[2]) is e:
+                del lru2[e[2]]
+        if len(heap) > 2 * len(lru2) + 64:
+            heap[:] = [e for e in heap if lru2.get(e[2]) is e]
+            heapify(heap)
+
+    def _choose(self) -> None:
+        """Halve the shadows' counts every history period; evict in the order that leads."""
         clock = self.history.clock
         while clock >= self._halve_at:
             self.shadow_hits = [h >> 1 for h in self.shadow_hits]
@@ -341,11 +359,16 @@ class LRU2Policy:
             once = [b for b in live if not self._rank[b]]
             assert len(live) == self._live[lv] and len(once) == self._once_live[lv]
             assert bool(live) == bool(self._nonempty >> lv & 1)
-            fifo, once_q, heap = set(self._fifo[lv]), set(self._once[lv]), set(self._heaps[lv])
+            fifo, once_q = set(self._fifo[lv]), set(self._once[lv])
+            run_rank = {}
+            for key, run in self._runs[lv]:
+                assert run and key & _TAG_MASK <= run[0] and list(run) == sorted(run)
+                run_rank.update(dict.fromkeys(run, key >> _TAG_BITS))
+            assert sum(len(run) for _, run in self._runs[lv]) == self._in_runs[lv]
             for b in live:
                 t = self._tag[b]
                 assert t & _BLOCK_MASK == b and t in fifo
-                assert t in once_q if not self._rank[b] else (self._rank[b] << _TAG_BITS) | t in heap
+                assert t in once_q if not self._rank[b] else run_rank.get(t) == self._rank[b]
         cap = self._shadow_cap
         assert len(self._shadow_lru) <= cap and len(self._shadow_lru2) <= cap
         return True

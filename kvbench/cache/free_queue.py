@@ -140,9 +140,10 @@ class FreeQueue:
         """The FIFO holding `block`, -1 if it is not queued."""
         return self._level[block]
 
-    def head(self, fifo: int) -> BlockId:
-        """The first block of FIFO `fifo` (its sentinel index when empty)."""
-        return self._next[self._sentinel0 + fifo]
+    def heads(self, fifos: list[int]) -> list[BlockId]:
+        """The first block of each of `fifos` (its sentinel index when empty)."""
+        nxt, s0 = self._next, self._sentinel0
+        return [nxt[s0 + q] for q in fifos]
 
     def pop_upto(self, fifo: int, n: int, stamps=None, max_stamp=0) -> list[BlockId]:
         """Up to `n` blocks from the front of FIFO `fifo`, while `stamps[block] <= max_stamp`

@@ -30,6 +30,8 @@ from ..radix import PrefixIndex
 
 
 _NO_BOUND = 1 << 62
+record_key = itemgetter(0)
+"""A stored record's block key (None for a partial block)."""
 
 _EMPTY = -1
 """A free slot of a `KeyHistory` table: no block key is -1 (`hash()` never returns it, and
@@ -76,8 +78,8 @@ class KeyHistory:
 
     The table drops keys lazily: a drop only raises the cut below which entries count as
     forgotten (one pass to count the keys left); forgotten keys keep their slots, and a key
-    written again takes its old slot back, until the table is half full of keys remembered
-    or not and is rebuilt without the forgotten ones."""
+    written again takes its old slot back, until the table is a third full of keys
+    remembered or not and is rebuilt without the forgotten ones."""
 
     __slots__ = ("capacity", "clock", "count", "_keys", "_entries", "_mask", "_shift", "_map",
                  "_cut", "_used")
@@ -96,7 +98,7 @@ class KeyHistory:
         self._used = 0
         """Table slots holding a key, remembered or forgotten."""
         if self._map is None:
-            self._alloc(16)  # grows to stay at most half full
+            self._alloc(16)  # grows to stay at most a third full
 
     def __len__(self) -> int:
         return self.count if self._map is None else len(self._map)
@@ -136,8 +138,8 @@ class KeyHistory:
             return
         table, stored = self._keys, self._entries
         new = (table[slots] != keys).nonzero()[0]
-        if 2 * (self._used + new.size) > len(table):  # keep the table at most half full
-            self._rebuild(4 * (self.count + new.size))
+        if 3 * (self._used + new.size) > len(table):  # at most a third full: short probes
+            self._rebuild(6 * (self.count + new.size))
             table, stored = self._keys, self._entries
             slots, _ = self.find(keys)
             new = (table[slots] != keys).nonzero()[0]
@@ -317,18 +319,17 @@ class ClassQueuePolicy:
             c = low - q0
             if live_mask & (live_mask - 1):  # several classes at this level
                 live = [k for k in range(c, classes) if live_mask >> k & 1]
-                scores = self._head_scores(live, [stamps[queue.head(q0 + k)] for k in live])
+                scores = self._head_scores(
+                    live, [stamps[b] for b in queue.heads([q0 + k for k in live])])
                 best = min(range(len(live)), key=scores.__getitem__)  # ties: the lower class
                 c = live[best]
                 # The run of c's heads that still beat every other class's head: a lower
-                # class wins ties, so against it c must score strictly less.
-                max_stamp = _NO_BOUND
-                for i, other in enumerate(live):
-                    if i != best:
-                        t = self._max_stamp(c, scores[i], strict=other < c)
-                        if t < max_stamp:
-                            max_stamp = t
-                run = queue.pop_upto(q0 + c, n - len(out), stamps, max_stamp)
+                # class wins ties, so against it c must score strictly less (scores are ints:
+                # less than s is at most s - 1); the lowest such bound holds for all.
+                bounds = [score - (k < c) for k, score in zip(live, scores)]
+                bounds[best] = _NO_BOUND
+                run = queue.pop_upto(q0 + c, n - len(out), stamps,
+                                     self._max_stamp(c, min(bounds)))
             else:
                 run = queue.pop_upto(low, n - len(out))
             self._evicted(stamps[run[-1]], c)
@@ -351,11 +352,10 @@ class ClassQueuePolicy:
         """The keys of a release's full `blocks` (deepest first), shallowest first, as the
         sequence touched them, and whether the deepest is a partial block (no key)."""
         stored = self.index.stored
-        keys = [stored[b][0] for b in reversed(blocks)]
-        partial = keys[-1] is None
-        if partial:
-            keys.pop()
-        return np.array(keys, np.int64), partial
+        partial = stored[blocks[0]][0] is None
+        chain = blocks[:0:-1] if partial else blocks[::-1]
+        return np.fromiter(map(record_key, map(stored.__getitem__, chain)), np.int64,
+                           len(chain)), partial
 
     @staticmethod
     def _cuts(classes: np.ndarray, top: int, partial: bool) -> list[tuple[int, int]]:
@@ -368,7 +368,7 @@ class ClassQueuePolicy:
             caps = np.minimum.accumulate(classes)
             if caps[0] < top:
                 cuts.append((0, int(caps[0])))
-            change = np.flatnonzero(caps[1:] != caps[:-1]) + 1
+            change = (caps[1:] != caps[:-1]).nonzero()[0] + 1
             cuts += zip(change.tolist(), caps[change].tolist())
             last = int(caps[-1])
         if partial and last > 1:
@@ -390,8 +390,8 @@ class ClassQueuePolicy:
         """Scores (ints) of heads of `classes` with `stamps`; lower is evicted first."""
         raise NotImplementedError
 
-    def _max_stamp(self, cls: int, score: int, strict: bool) -> int:
-        """The largest stamp of class `cls` whose score is at most (`strict`: below) `score`."""
+    def _max_stamp(self, cls: int, score: int) -> int:
+        """The largest stamp of class `cls` whose score is at most `score`."""
         raise NotImplementedError
 
     def _evicted(self, stamp: int, cls: int) -> None:

@@ -57,11 +57,11 @@ class GDSFPolicy(ClassQueuePolicy):
         top = self.params.max_freq
         slots, earlier = hist.find(keys)
         # Uses so far, this one counted, up to max_freq (a key not remembered: 1).
-        freq = np.minimum(np.where(earlier < 0, 0, earlier & 255) + 1, top)
+        freq = np.minimum((np.maximum(earlier, 0) & 255) + 1, top)
         start = hist.clock
         hist.clock = start + keys.size + partial  # a partial block ticks, unremembered
-        ticks = np.arange(start + 1, start + keys.size + 1, dtype=np.int64)
-        hist.store(keys, slots, (ticks << 8) | freq)
+        ticks = np.arange((start + 1) << 8, (start + keys.size + 1) << 8, 1 << 8)
+        hist.store(keys, slots, ticks | freq)
         return self._cuts(freq, top, partial), self.inflation
 
     def _now(self) -> int:
@@ -71,8 +71,8 @@ class GDSFPolicy(ClassQueuePolicy):
         w = self._weight
         return [t + w * c for c, t in zip(classes, stamps)]
 
-    def _max_stamp(self, cls: int, score: int, strict: bool) -> int:
-        return score - self._weight * cls - (1 if strict else 0)
+    def _max_stamp(self, cls: int, score: int) -> int:
+        return score - self._weight * cls
 
     def _evicted(self, stamp: int, cls: int) -> None:
         h = stamp + self._weight * cls

@@ -51,22 +51,19 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
-from itertools import compress, groupby, repeat
-from operator import and_, eq, itemgetter
+from itertools import groupby
 
 import numpy as np
 
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import KeyHistory
+from .base import KeyHistory, record_key
 
 _BLOCK_BITS = 32
 _BLOCK_MASK = (1 << _BLOCK_BITS) - 1
 _TAG_BITS = _BLOCK_BITS + 40
 _TAG_MASK = (1 << _TAG_BITS) - 1
-_key_of = itemgetter(0)
-"""A stored record's block key (None for a partial block)."""
 _SAMPLE_PRIME = 65521
 """Shadow keys are those with `key % prime % shadow_sampling == 0`: block keys of a trace are
 structured ints (hash id and offset), so their low bits alone would sample unevenly."""
@@ -89,9 +86,9 @@ class LRU2Policy:
     LRU shadow holds more of the sampled keys."""
 
     __slots__ = ("index", "capacity", "params", "history", "use_lru2", "shadow_hits",
-                 "_tag", "_rank", "_level", "_live", "_once_live", "_fifo", "_once", "_runs", "_in_runs",
-                 "_nonempty", "_size", "_order", "_shadow_lru", "_shadow_lru2", "_shadow_heap",
-                 "_shadow_cap", "_shadow_order", "_halve_at")
+                 "_tag", "_rank", "_level", "_live", "_once_live", "_fifo", "_once", "_runs",
+                 "_in_runs", "_nonempty", "_size", "_order", "_shadow_lru", "_shadow_lru2",
+                 "_shadow_heap", "_shadow_cap", "_shadow_order", "_halve_at")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: LRU2Params) -> None:
@@ -146,7 +143,7 @@ class LRU2Policy:
         # Shallowest first, as the sequence touched them (one tick each); keys in a chain are
         # distinct, so every earlier use is read before this release writes its own. The rank
         # is the earlier use's tick (0: none), capped at the parent's: a running minimum.
-        keys = list(map(_key_of, map(self.index.stored.__getitem__, reversed(blocks))))
+        keys = list(map(record_key, map(self.index.stored.__getitem__, reversed(blocks))))
         partial = keys[-1] is None  # the deepest block may be partial (no key)
         known = np.array(keys[:-1] if partial else keys, np.int64)
         slots, earlier = hist.find(known)
@@ -289,22 +286,22 @@ class LRU2Policy:
         (amortised O(1) per push)."""
         fifo = self._fifo[lv]
         if len(fifo) > 2 * live + 64:
-            self._fifo[lv] = deque(compress(fifo, self._live_tags(fifo)))
+            self._fifo[lv] = deque(self._current(fifo))
         once = self._once[lv]
         if len(once) > 2 * self._once_live[lv] + 64:
-            self._once[lv] = deque(compress(once, self._live_tags(once)))
+            self._once[lv] = deque(self._current(once))
         if self._in_runs[lv] > 2 * (live - self._once_live[lv]) + 64:
             # Keys stay: a run's remaining tags keep their order among the other runs.
-            runs = [(key, kept) for key, run in self._runs[lv]
-                    if (kept := deque(compress(run, self._live_tags(run))))]
+            runs = [(key, deque(kept)) for key, run in self._runs[lv]
+                    if (kept := self._current(run))]
             heapify(runs)
             self._runs[lv] = runs
             self._in_runs[lv] = sum(len(run) for _, run in runs)
 
-    def _live_tags(self, tags):
-        """Per tag in `tags`: whether it is its block's current one (C-level iterators: a
-        compaction touches every entry)."""
-        return map(eq, map(self._tag.__getitem__, map(and_, tags, repeat(_BLOCK_MASK))), tags)
+    def _current(self, tags) -> list[int]:
+        """The tags among `tags` that are their block's current one, in order."""
+        tag = self._tag
+        return [t for t in tags if tag[t & _BLOCK_MASK] == t]
 
     def _clear(self, lv: int) -> None:
         """Level `lv` has no queued block left: only stale entries remain."""

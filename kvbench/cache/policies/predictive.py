@@ -106,5 +106,5 @@ class PredictivePolicy(ClassQueuePolicy):
         shift = self._shift
         return [t + shift[c] for c, t in zip(classes, stamps)]
 
-    def _max_stamp(self, cls: int, score: int, strict: bool) -> int:
-        return score - self._shift[cls] - (1 if strict else 0)
+    def _max_stamp(self, cls: int, score: int) -> int:
+        return score - self._shift[cls]

@@ -19,7 +19,7 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import KeyHistory
+from .base import KeyHistory, record_key
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
 """FIFO mask of the first queue (class 0) at every level."""
@@ -165,7 +165,7 @@ class S3FIFOPolicy(_TwoQueues):
     Otherwise from the main FIFO: a head accessed since its last pass gets its count lowered
     and goes back to the tail (second chance), else it is evicted."""
 
-    __slots__ = ("params", "_target", "_freq", "_hit", "_in_second")
+    __slots__ = ("params", "_target", "_freq", "_in_second")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: S3FIFOParams) -> None:
@@ -173,14 +173,8 @@ class S3FIFOPolicy(_TwoQueues):
         self.params = params
         self._target = max(1, int(params.small_ratio * capacity))
         self._freq = bytearray(id_space)
-        self._hit = bytearray(id_space)
-        """Claimed (reused) since it was last queued."""
         self._in_second = bytearray(id_space)
         """In (or, while claimed, returning to) the main FIFO."""
-
-    def remove(self, block: BlockId) -> None:
-        self.num_second -= self.queue.remove(block) & 1
-        self._hit[block] = 1
 
     def _check_sanity(self) -> bool:
         assert super()._check_sanity()
@@ -191,32 +185,26 @@ class S3FIFOPolicy(_TwoQueues):
         return True
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
-        hit, in_second, freq = self._hit, self._in_second, self._freq
+        in_second, freq = self._in_second, self._freq
         recs = list(map(self.index.stored.__getitem__, blocks))
-        ghost = iter(self.history.contains([rec[0] for rec in recs]))
+        ghosts = self.history.contains(list(map(record_key, recs)))
         top = self.params.max_freq
         small: list[BlockId] = []
         main: list[BlockId] = []
         to_small, to_main = small.append, main.append
         last = self._rec
-        for b, rec in zip(blocks, recs):
-            is_ghost = next(ghost)
+        for b, rec, ghost in zip(blocks, recs, ghosts):
             if rec is not last[b]:  # data it did not hold when last queued
                 last[b] = rec
-                hit[b] = 0
                 freq[b] = 0
-                if is_ghost:
-                    in_second[b] = 1
-                    to_main(b)
-                else:
-                    in_second[b] = 0
-                    to_small(b)
-                continue
-            if hit[b]:
-                hit[b] = 0
+                in_second[b] = ghost
+                (to_main if ghost else to_small)(b)
+            else:
+                # The same data: it left the queue by a claim since (an eviction forgets the
+                # data), an access.
                 if freq[b] < top:
                     freq[b] += 1
-            (to_main if in_second[b] else to_small)(b)
+                (to_main if in_second[b] else to_small)(b)
         queue = self.queue
         queue.push_run(small, 2 * priority)
         queue.push_run(main, 2 * priority + 1)
@@ -240,8 +228,8 @@ class S3FIFOPolicy(_TwoQueues):
                 k = n - len(out) if lf < ls else min(n - len(out), num_first - self._target)
                 run = queue.pop_upto(fs, k, freq, 0)
                 if run:  # their keys become ghosts
+                    ghosts += map(record_key, map(stored.__getitem__, run))
                     for b in run:
-                        ghosts.append(stored[b][0])
                         rec[b] = None
                     out += run
                 else:

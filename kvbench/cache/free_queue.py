@@ -145,10 +145,11 @@ class FreeQueue:
         nxt, s0 = self._next, self._sentinel0
         return [nxt[s0 + q] for q in fifos]
 
-    def pop_upto(self, fifo: int, n: int, stamps=None, max_stamp=0) -> list[BlockId]:
-        """Up to `n` blocks from the front of FIFO `fifo`, while `stamps[block] <= max_stamp`
-        when `stamps` is given (a policy takes a run of victims at once: a queue ordered by a
-        stamp, or the heads a per-block mark lets go)."""
+    def pop_upto(self, fifo: int, n: int, stamps=None, max_stamp=0, min_stamp=0
+                 ) -> list[BlockId]:
+        """Up to `n` blocks from the front of FIFO `fifo`, while `min_stamp <= stamps[block]
+        <= max_stamp` when `stamps` is given (a policy takes a run at once: victims of a queue
+        ordered by a stamp, or the heads a per-block mark lets go or sends round again)."""
         out: list[BlockId] = []
         append = out.append
         s = self._sentinel0 + fifo
@@ -161,27 +162,11 @@ class FreeQueue:
                 b = nxt[b]
                 n -= 1
         else:
-            while b != s and n and stamps[b] <= max_stamp:
+            while b != s and n and min_stamp <= stamps[b] <= max_stamp:
                 append(b)
                 lv[b] = _NONE
                 b = nxt[b]
                 n -= 1
-        self._cut_front(fifo, b, len(out))
-        return out
-
-    def pop_marked(self, fifo: int, n: int, marks) -> list[BlockId]:
-        """Up to `n` blocks from the front of FIFO `fifo` while `marks[block]` is nonzero (a
-        policy's run of heads that each get a second chance)."""
-        out: list[BlockId] = []
-        append = out.append
-        s = self._sentinel0 + fifo
-        nxt, lv = self._next, self._level
-        b = nxt[s]
-        while b != s and n and marks[b]:
-            append(b)
-            lv[b] = _NONE
-            b = nxt[b]
-            n -= 1
         self._cut_front(fifo, b, len(out))
         return out
 

@@ -235,7 +235,7 @@ class S3FIFOPolicy(_TwoQueues):
                 else:
                     # Accessed heads move to the main FIFO's tail as a run: after the first,
                     # each one moves while the small FIFO holds more than its target.
-                    moved = queue.pop_marked(fs, max(1, num_first - self._target), freq)
+                    moved = queue.pop_upto(fs, max(1, num_first - self._target), freq, 255, 1)
                     for b in moved:
                         freq[b] = 0
                         in_second[b] = 1
@@ -250,7 +250,7 @@ class S3FIFOPolicy(_TwoQueues):
                     self.num_second -= len(run)
                     out += run
                 else:  # accessed heads: a second chance each, at the tail in order
-                    moved = queue.pop_marked(fm, len(queue), freq)
+                    moved = queue.pop_upto(fm, len(queue), freq, 255, 1)
                     for b in moved:
                         freq[b] -= 1
                     queue.push_run(moved, fm)

@@ -257,7 +257,7 @@ class LRU2Policy:
         n = len(blocks)
         o = self._order
         self._order = o + n
-        tags = [(o << _BLOCK_BITS) | b for o, b in zip(range(o + 1, o + n + 1), blocks)]
+        tags = [(k << _BLOCK_BITS) | b for k, b in zip(range(o + 1, o + n + 1), blocks)]
         for b, t, r in zip(blocks, tags, ranks):
             assert not tag[b], "block already in the free queue"
             tag[b] = t

@@ -505,7 +505,7 @@ def test_key_history_backings_agree(capacity, calls):
                 got.append(entries.tolist())
                 h.clock += known.size
                 h.store(known.copy(), slots,
-                        (np.arange(h.clock - known.size + 1, h.clock + 1) << 8) | 7)
+                        (np.arange(h.clock - known.size + 1, h.clock + 1) << 8) | 7, entries)
             assert got[0] == got[1]
         assert small.clock == large.clock and len(small) == len(large)
 

@@ -148,8 +148,9 @@ class FreeQueue:
     def pop_upto(self, fifo: int, n: int, stamps=None, max_stamp=0, min_stamp=0
                  ) -> list[BlockId]:
         """Up to `n` blocks from the front of FIFO `fifo`, while `min_stamp <= stamps[block]
-        <= max_stamp` when `stamps` is given (a policy takes a run at once: victims of a queue
-        ordered by a stamp, or the heads a per-block mark lets go or sends round again)."""
+        <= max_stamp` when `stamps` (never negative) is given (a policy takes a run at once:
+        victims of a queue ordered by a stamp, or the heads a per-block mark lets go or sends
+        round again)."""
         out: list[BlockId] = []
         append = out.append
         s = self._sentinel0 + fifo
@@ -157,6 +158,12 @@ class FreeQueue:
         b = nxt[s]
         if stamps is None:
             while b != s and n:
+                append(b)
+                lv[b] = _NONE
+                b = nxt[b]
+                n -= 1
+        elif not min_stamp:  # the lower bound holds: one comparison per block
+            while b != s and n and stamps[b] <= max_stamp:
                 append(b)
                 lv[b] = _NONE
                 b = nxt[b]

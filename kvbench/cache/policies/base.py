@@ -105,12 +105,12 @@ class KeyHistory:
 
     def find(self, keys: np.ndarray, slots: np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray]:
-        """The slots of distinct `keys` (int64) and their entries (-1: not remembered): where
-        each key is, else the free slot ending its probe (from `slots`, or its home). With
-        the dict backing the slots are the keys."""
+        """The slots of distinct `keys` (int64) and their entries (0: not remembered; an entry
+        written is at least `1 << 8`): where each key is, else the free slot ending its probe
+        (from `slots`, or its home). With the dict backing the slots are the keys."""
         if self._map is not None:
             get = self._map.get
-            return keys, np.array([get(k, -1) for k in keys.tolist()], np.int64)
+            return keys, np.array([get(k, 0) for k in keys.tolist()], np.int64)
         table, mask = self._keys, self._mask
         if slots is None:  # home slots by Fibonacci hashing: trace keys are structured ints
             slots = ((keys.view(np.uint64) * _MIX) >> self._shift).view(np.int64)
@@ -122,11 +122,12 @@ class KeyHistory:
             busy = busy[(at != keys[busy]) & (at != _EMPTY)]
         # A free slot's entry (0) is below the cut, as a forgotten key's is.
         entries = self._entries[slots]
-        return slots, np.where(entries >= self._cut, entries, -1)
+        return slots, np.where(entries >= self._cut, entries, 0)
 
-    def store(self, keys: np.ndarray, slots: np.ndarray, entries: np.ndarray) -> None:
-        """Remember `entries` for distinct `keys` at their `slots` from `find` (nothing
-        stored since); then drop old keys if the history is full."""
+    def store(self, keys: np.ndarray, slots: np.ndarray, entries: np.ndarray,
+              earlier: np.ndarray) -> None:
+        """Remember `entries` for distinct `keys` at their `slots` and `earlier` entries from
+        `find` (nothing stored since); then drop old keys if the history is full."""
         m = self._map
         if m is not None:  # kept in entry order: the batch's entries are the newest
             keys = keys.tolist()
@@ -143,13 +144,14 @@ class KeyHistory:
             table, stored = self._keys, self._entries
             slots, _ = self.find(keys)
             new = (table[slots] != keys).nonzero()[0]
-        # Keys remembered from now: those in free slots and forgotten ones in their old slots.
-        self.count += int(np.count_nonzero(stored[slots] < self._cut))
+        # Keys remembered from now: those in free slots and forgotten ones in their old slots
+        # (a rebuild above kept what `earlier` tells).
+        self.count += keys.size - int(np.count_nonzero(earlier))
         self._used += new.size
         while new.size:  # claim the free slots; keys that lost one to another probe on
-            at = slots[new]
-            table[at] = keys[new]
-            lost = new[table[at] != keys[new]]
+            at, mine = slots[new], keys[new]
+            table[at] = mine
+            lost = new[table[at] != mine]
             if not lost.size:
                 break
             slots[lost], _ = self.find(keys[lost], (slots[lost] + 1) & self._mask)
@@ -162,7 +164,7 @@ class KeyHistory:
         """Whether each of `keys` (None: never) is remembered."""
         if self._map is not None:
             return list(map(self._map.__contains__, keys))
-        return _keyed(keys, lambda known: (self.find(np.array(known, np.int64))[1] >= 0).tolist())
+        return _keyed(keys, lambda known: (self.find(np.array(known, np.int64))[1] > 0).tolist())
 
     def record_each(self, keys: list) -> list[bool]:
         """Record each of `keys` (distinct; None is skipped, as never seen) at its own tick,
@@ -205,14 +207,14 @@ class KeyHistory:
         while done < keys.size:
             rest = keys[done:]
             slots, old = self.find(rest)
-            new = np.cumsum(old < 0)
+            new = np.cumsum(old == 0)
             room = 2 * self.capacity - self.count
             # The key whose write overfills the history ends this batch (a settle follows).
             end = rest.size if new[-1] <= room else int(np.searchsorted(new, room + 1)) + 1
             ticks = np.arange(first_tick + done, first_tick + done + end, dtype=np.int64)
             self.clock = first_tick + done + end - 1
-            seen[done:done + end] = old[:end] >= 0
-            self.store(rest[:end].copy(), slots[:end].copy(), ticks << 8)
+            seen[done:done + end] = old[:end] > 0
+            self.store(rest[:end].copy(), slots[:end].copy(), ticks << 8, old[:end])
             done += end
         return seen
 
@@ -232,13 +234,15 @@ class KeyHistory:
         keys, entries = self._keys[keep], self._entries[keep]
         self._alloc(size)
         if keys.size:
-            slots, _ = self.find(keys)
-            self.store(keys, slots, entries)
+            slots, earlier = self.find(keys)
+            self.store(keys, slots, entries, earlier)
 
     def _alloc(self, size: int) -> None:
         size = 1 << max(4, (size - 1).bit_length())
-        self._keys = np.full(size, _EMPTY, np.int64)
-        self._entries = np.zeros(size, np.int64)
+        # A slot's key and entry side by side: a probe reads one cache line, not two.
+        table = np.zeros((size, 2), np.int64)
+        table[:, 0] = _EMPTY
+        self._keys, self._entries = table[:, 0], table[:, 1]
         self._mask = size - 1
         self._shift = np.uint64(65 - size.bit_length())
         self.count = 0

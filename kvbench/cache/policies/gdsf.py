@@ -57,11 +57,11 @@ class GDSFPolicy(ClassQueuePolicy):
         top = self.params.max_freq
         slots, earlier = hist.find(keys)
         # Uses so far, this one counted, up to max_freq (a key not remembered: 1).
-        freq = np.minimum((np.maximum(earlier, 0) & 255) + 1, top)
+        freq = np.minimum((earlier & 255) + 1, top)
         start = hist.clock
         hist.clock = start + keys.size + partial  # a partial block ticks, unremembered
         ticks = np.arange((start + 1) << 8, (start + keys.size + 1) << 8, 1 << 8)
-        hist.store(keys, slots, ticks | freq)
+        hist.store(keys, slots, ticks | freq, earlier)
         return self._cuts(freq, top, partial), self.inflation
 
     def _now(self) -> int:

@@ -147,13 +147,13 @@ class LRU2Policy:
         partial = keys[-1] is None  # the deepest block may be partial (no key)
         known = np.array(keys[:-1] if partial else keys, np.int64)
         slots, earlier = hist.find(known)
-        ticks = np.where(earlier < 0, 0, earlier >> 8)
+        ticks = earlier >> 8  # 0: none
         if partial:
             ticks = np.append(ticks, 0)
         capped = np.minimum.accumulate(ticks)
         hist.clock = clock + n
         hist.store(known, slots,
-                   np.arange(clock + 1, clock + known.size + 1, dtype=np.int64) << 8)
+                   np.arange(clock + 1, clock + known.size + 1, dtype=np.int64) << 8, earlier)
         if self._shadow_cap:  # the sampled keys (a partial block has none) and their ranks
             picked = (known % _SAMPLE_PRIME % self.params.shadow_sampling == 0).nonzero()[0]
             if picked.size:

@@ -73,20 +73,21 @@ class PredictivePolicy(ClassQueuePolicy):
         keys, partial = self._chain_keys(blocks)
         top = self.params.max_class
         slots, earlier = hist.find(keys)
-        seen = earlier >= 0
-        was = np.where(seen, earlier & 255, 0)
+        was = earlier & 255  # 0: not remembered
         cls = np.minimum(was + 1, top)  # a key not remembered: class 1
         start = hist.clock
         hist.clock = start + keys.size + partial  # a partial block ticks, unremembered
         ticks = np.arange(start + 1, start + keys.size + 1, dtype=np.int64)
-        # A use followed by this one within the horizon was reused soon.
-        soon = np.bincount(was[seen & (ticks - (earlier >> 8) <= self._horizon)],
-                           minlength=top + 1)
+        # A use followed by this one within the horizon was reused soon. Keys not remembered
+        # fall in bin 0 (their tick minus 0 may be within it): dropped, class 0 is unused.
+        soon = np.bincount(was[ticks - (earlier >> 8) <= self._horizon],
+                           minlength=top + 1).tolist()
+        soon[0] = 0
         used = np.bincount(cls, minlength=top + 1)
         used[1] += partial
-        self.reuses = [a + b for a, b in zip(self.reuses, soon.tolist())]
+        self.reuses = [a + b for a, b in zip(self.reuses, soon)]
         self.uses = [a + b for a, b in zip(self.uses, used.tolist())]
-        hist.store(keys, slots, (ticks << 8) | cls)
+        hist.store(keys, slots, (ticks << 8) | cls, earlier)
         self._update_shifts()
         return self._cuts(cls, top, partial), start
 

@@ -100,14 +100,15 @@ class SLRUPolicy(_TwoQueues):
         n = len(blocks)
         known = np.array(keys[1:] if partial else keys, np.int64)
         slots, earlier = hist.find(known)
-        seen = (earlier >= 0).tolist()
+        seen = (earlier > 0).tolist()
         if partial:
             seen.insert(0, False)
         # The sequence touched its blocks shallowest first: one clock tick each, so the
         # deepest (first here) gets the latest.
         start = hist.clock
         hist.clock = start + n
-        hist.store(known, slots, np.arange(start + n - partial, start, -1, dtype=np.int64) << 8)
+        hist.store(known, slots, np.arange(start + n - partial, start, -1, dtype=np.int64) << 8,
+                   earlier)
         probation: list[BlockId] = []
         protected: list[BlockId] = []
         to_probation, to_protected = probation.append, protected.append

@@ -19,6 +19,7 @@ before their parents and orphans are rare.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from itertools import compress, islice
 from operator import itemgetter
 
@@ -195,7 +196,6 @@ class KeyHistory:
                 if len(m) > most:
                     self.clock = clock
                     self._settle()
-                    m = self._map
             self.clock = clock
             return seen
         return _keyed(keys, lambda known: self._record_each(np.array(known, np.int64),
@@ -221,9 +221,9 @@ class KeyHistory:
     def _settle(self) -> None:
         cut = (self.clock - self.capacity) << 8  # > 0: the clock is past 2 x capacity here
         m = self._map
-        if m is not None:  # in entry order: the old keys come first
-            old = int(np.searchsorted(np.fromiter(m.values(), np.int64, len(m)), cut))
-            self._map = dict(islice(m.items(), old, None))
+        if m is not None:  # in entry order: the old keys come first, deleted in place
+            for k in list(islice(m, bisect_left(list(m.values()), cut))):
+                del m[k]
             return
         self._cut = cut
         self.count = int(np.count_nonzero(self._entries >= cut))

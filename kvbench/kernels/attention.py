@@ -29,7 +29,7 @@ import torch
 from .model import table_rows
 from .staging import Upload, to_device
 from .step import StepItem
-from .storage import PoolTensors
+from .storage import PoolTensors, widest_int
 
 QUERY_CHUNK = 256
 """Most queries of one item in one score block of `attend_segments`."""
@@ -399,13 +399,6 @@ def wide_rows(x: torch.Tensor) -> torch.Tensor:
     `widest_int` of its bytes."""
     row = x.shape[-2] * x.shape[-1]
     return x.reshape(-1, row).view(widest_int(row * x.element_size()))
-
-
-def widest_int(nbytes: int) -> torch.dtype:
-    """The widest integer type `nbytes` divide into: row copies and bit comparisons then move
-    8 bytes per element where they can (a GPU moves one element per thread step)."""
-    return next(t for t in (torch.int64, torch.int32, torch.int16, torch.uint8)
-                if nbytes % t.itemsize == 0)
 
 
 def tiles(key_counts: np.ndarray, num_layers: int, key_bytes: int,

@@ -21,6 +21,7 @@ import torch
 from .fingerprint import column_major, int_matmul
 from .staging import to_device
 from .step import ModelShape
+from .storage import widest_int
 
 TABLE_ROWS = 1024
 MAX_TEMP_BYTES = 256 * 1024 * 1024
@@ -72,14 +73,11 @@ def table_rows(tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return rows
 
 
-_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-
-
 class SyntheticModel:
     """Q/K/V generator for one `ModelShape`; tables live on `device`."""
 
     __slots__ = ("shape", "device", "_tables", "_kv_tables", "_token_gain", "_pos_gain", "_split",
-                 "_gains")
+                 "_cast_gains", "_gains")
 
     def __init__(self, shape: ModelShape, seed: int, device: torch.device) -> None:
         self.shape = shape
@@ -97,6 +95,8 @@ class SyntheticModel:
         # Each part sums two N(0, 1) rows; scaled so K, V and Q entries are N(0, 1) again.
         self._token_gain = (signs[0] * (0.8 / 2**0.5)).float().to(device)
         self._pos_gain = (signs[1] * (0.6 / 2**0.5)).float().to(device)
+        # Every gain is one of these two up to its sign (`kv_casts`).
+        self._cast_gains = (self._token_gain.abs().amax(), self._pos_gain.abs().amax())
         # What a layer list's gains give (gathered gains, cast indices, fingerprint
         # weights), made once per list (per pool), not per step.
         self._gains: dict[tuple, object] = {}
@@ -180,12 +180,12 @@ class SyntheticModel:
         kv_heads, head_dim]` (a few keys per layer, as a report of a mismatch needs)."""
         s = self.shape
         L, m = rows.shape[1], rows.shape[2]
-        combos = self.kv_casts(rows.reshape(4, -1), kv_dtype)
-        w = combos.shape[2]
+        casts = self.kv_casts(rows.reshape(4, -1), kv_dtype)
+        w = casts.shape[2]
         index = self._exact_index(layers)[:, None, :].expand(L, m, w)
         # Gathered as integers of the storage type's size (no gather kernels for fp8).
-        ints = combos.view(_INTS[combos.element_size()])
-        want = ints.view(L, m, 4 * w).gather(2, index).view(combos.dtype)
+        ints = casts.view(widest_int(casts.element_size()))
+        want = ints.view(L, m, 4 * w).gather(2, index).view(casts.dtype)
         return want.view(L, m, 2, s.num_kv_heads, s.head_dim)
 
     def kv_fingerprints(self, casts: torch.Tensor, layers: Sequence[int], proj: torch.Tensor
@@ -205,21 +205,16 @@ class SyntheticModel:
         """`[n, 4, w]`: the four casts of `token * (+-g_t) + pos * (+-g_p)` per K/V column,
         in cast order (`+ +`, `+ -`, `- +`, `- -`)."""
         w = 2 * self._split[0]
-        key = ("gains",)
-        gains = self._gains.get(key)
-        if gains is None:
-            gains = self._gains[key] = (self._token_gain.abs().amax(),
-                                        self._pos_gain.abs().amax())
         token, pos = self._parts(rows, w)
         # x * (-g) is -(x * g) exactly, and x + (-y) is x - y: two products and four sums
         # give the four casts (an FMA-free float32 product each, as `qkv_all` computes).
-        a, b = token.mul_(gains[0]), pos.mul_(gains[1])
-        combos = torch.empty((token.shape[0], 4, w), dtype=kv_dtype, device=self.device)
-        combos[:, 0] = a + b
-        combos[:, 1] = a - b
-        combos[:, 2] = b - a
-        combos[:, 3] = a.neg_().sub_(b)
-        return combos
+        a, b = token.mul_(self._cast_gains[0]), pos.mul_(self._cast_gains[1])
+        casts = torch.empty((token.shape[0], 4, w), dtype=kv_dtype, device=self.device)
+        casts[:, 0] = a + b
+        casts[:, 1] = a - b
+        casts[:, 2] = b - a
+        casts[:, 3] = a.neg_().sub_(b)
+        return casts
 
     def _exact_index(self, layers: Sequence[int]) -> torch.Tensor:
         """`[L, w]`: per layer and K/V column, the column of the four casts `[4 * w]` it
@@ -230,8 +225,8 @@ class SyntheticModel:
             w = 2 * self._split[0]
             lay = to_device([np.asarray(layers, dtype=np.int64)], self.device)[0]
             tg, pg = self._token_gain[lay, :w], self._pos_gain[lay, :w]
-            combo = (tg < 0).long() * 2 + (pg < 0).long()
-            index = self._gains[key] = combo * w + torch.arange(w, device=self.device)
+            cast = (tg < 0).long() * 2 + (pg < 0).long()
+            index = self._gains[key] = cast * w + torch.arange(w, device=self.device)
         return index
 
     def _fingerprint_weights(self, layers: Sequence[int], esize: int, proj: torch.Tensor
@@ -243,7 +238,7 @@ class SyntheticModel:
         weights = self._gains.get(key)
         if weights is None:
             w = 2 * self._split[0]
-            cast = self._exact_index(layers) // w
+            cast = self.cast_index(layers)
             picks = (cast.t()[None] == torch.arange(4, device=self.device)[:, None, None])
             half = torch.arange(w, device=self.device) // (w // 2)
             halves = half[:, None] == torch.arange(2, device=self.device)

@@ -20,6 +20,16 @@ STORAGE_DTYPES = {
     "fp8": torch.float8_e4m3fn,
 }
 
+
+
+def widest_int(nbytes: int) -> torch.dtype:
+    """The widest integer type `nbytes` divide into: raw copies, gathers and bit comparisons
+    of storage bytes then move up to 8 bytes per element (a GPU moves one element per thread
+    step, and some storage types, fp8, have no gather kernels of their own)."""
+    return next(t for t in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                if nbytes % t.itemsize == 0)
+
+
 QUERY_DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,

@@ -32,12 +32,12 @@ import numpy as np
 import torch
 
 from .attention import (KeyIndex, PagedBatch, attend_casts, attend_segments, gather_keys,
-                        tile_bytes, tiles, widest_int)
+                        tile_bytes, tiles)
 from .fingerprint import fingerprint, projections
 from .model import SyntheticModel
 from .staging import to_device
 from .step import Mismatch, StepItem
-from .storage import STORAGE_DTYPES
+from .storage import STORAGE_DTYPES, widest_int
 
 TOLERANCES = {
     "float32": (1e-5, 1e-4),

@@ -442,24 +442,18 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
     G, nq, hq, d = q.shape
     hk = k.shape[2]
     g = hq // hk
-    q_base = int(batch.qo_indptr[items.start])
-    k_base, k_end = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
     # One float32 copy each, heads outside the tokens: every (layer, KV head) run of an
     # item's queries or keys is then a matrix the matmuls read in place, with no padding.
     qh = _float32(q.view(G, nq, hk, g, d).transpose(1, 2))
     kh, vh = _float32(k.transpose(1, 2)), _float32(v.transpose(1, 2))
-    qpos, kpos = to_device([batch.new_positions[q_base:q_base + nq],
-                            keys.positions[k_base:k_end]], q.device)
+    q_base, k_base, hidden_of = _masks(batch, keys, items, nq, window, q.device)
     for i, a, b in _segments(batch, keys, items, G, hq, budget):
         a, b = a - q_base, b - q_base
         k0, k1 = int(keys.indptr[i]) - k_base, int(keys.indptr[i + 1]) - k_base
         Q = qh[:, :, a:b].reshape(G * hk, (b - a) * g, d)
         scores = torch.bmm(Q, kh[:, :, k0:k1].reshape(G * hk, k1 - k0, d).transpose(1, 2))
         scores = scores.mul_(d**-0.5).view(G * hk, b - a, g, k1 - k0)
-        hidden = kpos[None, k0:k1] > qpos[a:b, None]
-        if window is not None:
-            hidden |= kpos[None, k0:k1] <= qpos[a:b, None] - window
-        scores.masked_fill_(hidden[None, :, None, :], float("-inf"))
+        scores.masked_fill_(hidden_of(a, b, k0, k1)[None, :, None, :], float("-inf"))
         p = torch.softmax(scores, dim=-1).view(G * hk, (b - a) * g, k1 - k0)
         o = torch.bmm(p, vh[:, :, k0:k1].reshape(G * hk, k1 - k0, d))
         yield a, b, o.view(G, hk, b - a, g, d).permute(0, 2, 1, 3, 4).reshape(G, b - a, hq, d)
@@ -490,21 +484,37 @@ def attend_casts(q: torch.Tensor, casts: torch.Tensor, cast: torch.Tensor, batch
     # [hk, queries, G, g, 4, d]: each query spread over the casts its layer's K picks.
     qt = q.view(G, nq, hk, g, d).permute(2, 1, 0, 3, 4).float()[:, :, :, :, None, :] \
         * kmask[:, None, :, None]
-    q_base = int(batch.qo_indptr[items.start])
-    k_base, k_end = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
-    qpos, kpos = to_device([batch.new_positions[q_base:q_base + nq],
-                            keys.positions[k_base:k_end]], q.device)
+    q_base, k_base, hidden_of = _masks(batch, keys, items, nq, window, q.device)
     for i in range(items.start, items.stop):
         j = int(batch.qo_indptr[i]) - q_base
         k0, k1 = int(keys.indptr[i]) - k_base, int(keys.indptr[i + 1]) - k_base
         scores = torch.bmm(qt[:, j].reshape(hk, G * g, 4 * d), ck[:, k0:k1].transpose(1, 2))
-        hidden = kpos[k0:k1] > qpos[j]
-        if window is not None:
-            hidden |= kpos[k0:k1] <= qpos[j] - window
-        scores = scores.mul_(d**-0.5).masked_fill_(hidden, float("-inf"))
+        scores = scores.mul_(d**-0.5).masked_fill_(hidden_of(j, j + 1, k0, k1),
+                                                   float("-inf"))
         y = torch.bmm(torch.softmax(scores, dim=-1), cv[:, k0:k1])
         o = (y.view(hk, G, g, 4, d) * vmask[:, :, None]).sum(3)
         yield j, j + 1, o.permute(1, 0, 2, 3).reshape(G, 1, hq, d)
+
+
+def _masks(batch: PagedBatch, keys: KeyIndex, items: slice, nq: int, window: int | None,
+           device: torch.device):
+    """For a tile's reference attention: its first query and first key, and
+    `hidden_of(a, b, k0, k1)`, the `[b - a, k1 - k0]` mask of the keys each of the tile's
+    queries `[a, b)` must not see among its keys `[k0, k1)` (later positions, or outside the
+    window), positions uploaded once per tile."""
+    q_base = int(batch.qo_indptr[items.start])
+    k_base, k_end = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
+    qpos, kpos = to_device([batch.new_positions[q_base:q_base + nq],
+                            keys.positions[k_base:k_end]], device)
+
+    def hidden_of(a: int, b: int, k0: int, k1: int) -> torch.Tensor:
+        k, q = kpos[None, k0:k1], qpos[a:b, None]
+        hidden = k > q
+        if window is not None:
+            hidden |= k <= q - window
+        return hidden
+
+    return q_base, k_base, hidden_of
 
 
 def _float32(x: torch.Tensor) -> torch.Tensor:

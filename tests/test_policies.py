@@ -477,7 +477,7 @@ def test_invariants_with_every_policy(name, admission):
 
 @settings(max_examples=200, derandomize=True, deadline=None)
 @given(st.integers(1, 12),
-       st.lists(st.tuples(st.sampled_from(["batch", "each", "contains"]),
+       st.lists(st.tuples(st.sampled_from(["batch", "each", "record", "contains"]),
                           st.lists(st.one_of(st.none(), st.integers(0, 60)), max_size=12)),
                 max_size=40))
 def test_key_history_backings_agree(capacity, calls):
@@ -497,6 +497,9 @@ def test_key_history_backings_agree(capacity, calls):
             assert small.contains(keys) == large.contains(keys)
         elif kind == "each":
             assert small.record_each(keys) == large.record_each(keys)
+        elif kind == "record":
+            small.record(keys)
+            large.record(keys)
         else:
             known = np.array([k for k in keys if k is not None], np.int64)
             got = []
@@ -508,6 +511,8 @@ def test_key_history_backings_agree(capacity, calls):
                         (np.arange(h.clock - known.size + 1, h.clock + 1) << 8) | 7, entries)
             assert got[0] == got[1]
         assert small.clock == large.clock and len(small) == len(large)
+        # The dict stays in entry order (oldest use first): a drop cuts its front off.
+        assert list(small._map.values()) == sorted(small._map.values())
 
 
 # --- LRU untouched, serve mode, requests.skip, tune --holdout ---------------------------------

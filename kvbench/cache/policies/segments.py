@@ -13,6 +13,8 @@ deepest block first, so inside a queue children leave before their parents.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
+from operator import not_
 
 import numpy as np
 
@@ -31,7 +33,7 @@ class _TwoQueues:
     """What SLRU and S3-FIFO share: the `first` queue (probation / small, class 0), the
     `second` one (protected / main, class 1), and which data each block last held."""
 
-    __slots__ = ("index", "capacity", "queue", "num_second", "history", "_rec")
+    __slots__ = ("index", "capacity", "queue", "num_second", "history", "_left", "_rec")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  history_ratio: float) -> None:
@@ -41,8 +43,17 @@ class _TwoQueues:
         self.num_second = 0
         """Blocks in the second queue."""
         self.history = KeyHistory(int(history_ratio * capacity))
+        # A block released with the data it held when claimed was reused while cached; any
+        # other released block holds new data (it was allocated: an eviction forgets the
+        # data). Only claims write here, so a release of new data (most blocks) costs no
+        # per-block Python work beyond the history.
+        self._left = bytearray(id_space)
+        """1 + the queue (0 first, 1 second) a block left by its latest claim; 0 once it is
+        queued again (a block that was never claimed since it was queued holds new data
+        when next released)."""
         self._rec: list = [None] * id_space
-        """The stored record a block held when last queued: a different one is new data."""
+        """The stored record a block held when claimed: a different one is new data (a
+        partial match taken and written)."""
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -60,10 +71,44 @@ class _TwoQueues:
 
     def remove(self, block: BlockId) -> None:
         """A claim: the block is in use (a hit, or a partial match being taken)."""
-        self.num_second -= self.queue.remove(block) & 1
+        second = self.queue.remove(block) & 1
+        self.num_second -= second
+        self._left[block] = 1 + second
+        self._rec[block] = self.index.stored[block]
+
+    def _returned(self, blocks: list[BlockId], recs: list
+                  ) -> tuple[list[tuple[int, int]], list[BlockId]]:
+        """Of `blocks` being queued (holding `recs`), those that left the queue by a claim:
+        the positions of those still holding the same data, each with 1 + the queue it
+        left, and the blocks that hold new data now (a partial match taken and written).
+        Clears `_left` for all of them."""
+        left, last = self._left, self._rec
+        same: list[tuple[int, int]] = []
+        changed: list[BlockId] = []
+        for i in compress(range(len(blocks)), map(left.__getitem__, blocks)):
+            b = blocks[i]
+            if recs[i] is last[b]:
+                same.append((i, left[b]))
+            else:
+                changed.append(b)
+            left[b] = 0
+        return same, changed
+
+    def _queue_split(self, blocks: list[BlockId], second: list, priority: int) -> None:
+        """Append `blocks` in order to the queues at level `priority`: those with
+        `second[i]` set to the second queue, the others to the first."""
+        queue = self.queue
+        if not any(second):
+            queue.push_run(blocks, 2 * priority)
+            return
+        queue.push_run(list(compress(blocks, map(not_, second))), 2 * priority)
+        run = list(compress(blocks, second))
+        queue.push_run(run, 2 * priority + 1)
+        self.num_second += len(run)
 
     def _check_sanity(self) -> bool:
         assert self.queue._check_sanity()
+        assert not any(self._left[b] for b in range(len(self._left)) if b in self.queue)
         assert self.num_second == sum(len(self.queue.fifo_order(2 * lv + 1))
                                       for lv in range(NUM_PRIORITY_LEVELS))
         return True
@@ -93,7 +138,7 @@ class SLRUPolicy(_TwoQueues):
         self._cap = int(params.protected_ratio * capacity)
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
-        hist, last = self.history, self._rec
+        hist = self.history
         recs = list(map(self.index.stored.__getitem__, blocks))
         keys = [rec[0] for rec in recs]
         partial = keys[0] is None  # the deepest block may be partial (no key)
@@ -109,21 +154,11 @@ class SLRUPolicy(_TwoQueues):
         hist.clock = start + n
         hist.store(known, slots, np.arange(start + n - partial, start, -1, dtype=np.int64) << 8,
                    earlier)
-        probation: list[BlockId] = []
-        protected: list[BlockId] = []
-        to_probation, to_protected = probation.append, protected.append
-        # A block queued again with the data it held when last queued left the queue by a
-        # claim (eviction forgets the data), so it was reused while cached: protected.
-        for b, rec, was in zip(blocks, recs, seen):
-            if rec is last[b]:
-                to_protected(b)
-            else:  # new data: protected if its key was used before
-                last[b] = rec
-                (to_protected if was else to_probation)(b)
+        # Protected: reused while cached, or new data whose key was used before.
+        for i, _ in self._returned(blocks, recs)[0]:
+            seen[i] = True
+        self._queue_split(blocks, seen, priority)
         queue = self.queue
-        queue.push_run(probation, 2 * priority)
-        queue.push_run(protected, 2 * priority + 1)
-        self.num_second += len(protected)
         excess = self.num_second - self._cap
         while excess > 0:  # demote protected's LRU end, one run per level
             fifo = queue.lowest_fifo(_SECOND)
@@ -134,15 +169,13 @@ class SLRUPolicy(_TwoQueues):
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
-        queue, rec = self.queue, self._rec
+        queue = self.queue
         # The lowest FIFO: probation before protected at each level.
         while len(out) < n and len(queue):
             fifo = queue.lowest_fifo()
             run = queue.pop_upto(fifo, n - len(out))
             if fifo & 1:
                 self.num_second -= len(run)
-            for b in run:
-                rec[b] = None
             out += run
         return out
 
@@ -166,7 +199,7 @@ class S3FIFOPolicy(_TwoQueues):
     Otherwise from the main FIFO: a head accessed since its last pass gets its count lowered
     and goes back to the tail (second chance), else it is evicted."""
 
-    __slots__ = ("params", "_target", "_freq", "_in_second")
+    __slots__ = ("params", "_target", "_freq")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: S3FIFOParams) -> None:
@@ -174,47 +207,34 @@ class S3FIFOPolicy(_TwoQueues):
         self.params = params
         self._target = max(1, int(params.small_ratio * capacity))
         self._freq = bytearray(id_space)
-        self._in_second = bytearray(id_space)
-        """In (or, while claimed, returning to) the main FIFO."""
+        """Accesses since the block entered its FIFO or last went round (0 unless it is
+        queued or out on a claim)."""
 
     def _check_sanity(self) -> bool:
         assert super()._check_sanity()
-        for b in range(len(self._in_second)):
-            f = self.queue.fifo_of(b)
-            if f >= 0:
-                assert self._in_second[b] == f & 1
+        # Counts only grow while queued or out on a claim: new data starts at 0.
+        assert not any(self._freq[b] for b in range(len(self._freq))
+                       if b not in self.queue and not self._left[b])
         return True
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
-        in_second, freq = self._in_second, self._freq
         recs = list(map(self.index.stored.__getitem__, blocks))
-        ghosts = self.history.contains(list(map(record_key, recs)))
-        top = self.params.max_freq
-        small: list[BlockId] = []
-        main: list[BlockId] = []
-        to_small, to_main = small.append, main.append
-        last = self._rec
-        for b, rec, ghost in zip(blocks, recs, ghosts):
-            if rec is not last[b]:  # data it did not hold when last queued
-                last[b] = rec
-                freq[b] = 0
-                in_second[b] = ghost
-                (to_main if ghost else to_small)(b)
-            else:
-                # The same data: it left the queue by a claim since (an eviction forgets the
-                # data), an access.
-                if freq[b] < top:
-                    freq[b] += 1
-                (to_main if in_second[b] else to_small)(b)
-        queue = self.queue
-        queue.push_run(small, 2 * priority)
-        queue.push_run(main, 2 * priority + 1)
-        self.num_second += len(main)
+        # New data enters the main FIFO if its key is a ghost, else the small one.
+        second = self.history.contains(list(map(record_key, recs)))
+        same, changed = self._returned(blocks, recs)
+        freq, top = self._freq, self.params.max_freq
+        for i, left in same:  # an access: it goes back to the FIFO it left
+            b = blocks[i]
+            if freq[b] < top:
+                freq[b] += 1
+            second[i] = left - 1
+        for b in changed:
+            freq[b] = 0
+        self._queue_split(blocks, second, priority)
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
-        queue, in_second, freq = self.queue, self._in_second, self._freq
-        stored, rec = self.index.stored, self._rec
+        queue, freq, stored = self.queue, self._freq, self.index.stored
         ghosts: list = []
         """Keys evicted from the small FIFO, in order: recorded when the call ends (nothing
         reads the history meanwhile)."""
@@ -230,8 +250,6 @@ class S3FIFOPolicy(_TwoQueues):
                 run = queue.pop_upto(fs, k, freq, 0)
                 if run:  # their keys become ghosts
                     ghosts += map(record_key, map(stored.__getitem__, run))
-                    for b in run:
-                        rec[b] = None
                     out += run
                 else:
                     # Accessed heads move to the main FIFO's tail as a run: after the first,
@@ -239,15 +257,11 @@ class S3FIFOPolicy(_TwoQueues):
                     moved = queue.pop_upto(fs, max(1, num_first - self._target), freq, 255, 1)
                     for b in moved:
                         freq[b] = 0
-                        in_second[b] = 1
                     queue.push_run(moved, fs + 1)
                     self.num_second += len(moved)
             else:
                 run = queue.pop_upto(fm, n - len(out), freq, 0)
                 if run:
-                    for b in run:
-                        in_second[b] = 0
-                        rec[b] = None
                     self.num_second -= len(run)
                     out += run
                 else:  # accessed heads: a second chance each, at the tail in order
@@ -256,5 +270,5 @@ class S3FIFOPolicy(_TwoQueues):
                         freq[b] -= 1
                     queue.push_run(moved, fm)
         if ghosts:
-            self.history.record_each(ghosts)
+            self.history.record(ghosts)
         return out

@@ -37,7 +37,15 @@ record_key = itemgetter(0)
 _EMPTY = -1
 """A free slot of a `KeyHistory` table: no block key is -1 (`hash()` never returns it, and
 trace keys are non-negative)."""
-_MIX = np.uint64(0x9E3779B97F4A7C15)
+# Constant operands of the per-release numpy calls are 0-d arrays: numpy 2 takes an array
+# operand in ~300 ns and converts a Python or numpy scalar one in ~500 ns, on every call.
+_NO_KEY = np.array(_EMPTY, np.int64)
+_MIX = np.array(0x9E3779B97F4A7C15, np.uint64)
+_ONE = np.array(1, np.int64)
+LOW_BYTE = np.array(255, np.int64)
+"""An entry's payload: `entry & LOW_BYTE`."""
+TICK_SHIFT = np.array(8, np.int64)
+"""An entry's clock: `entry >> TICK_SHIFT`."""
 
 DICT_HISTORY_MAX = 1 << 15
 """The largest `KeyHistory` capacity kept in a dict (at most twice that many keys: a few MB,
@@ -116,14 +124,16 @@ class KeyHistory:
         if slots is None:  # home slots by Fibonacci hashing: trace keys are structured ints
             slots = ((keys.view(np.uint64) * _MIX) >> self._shift).view(np.int64)
         at = table[slots]
-        busy = ((at != keys) & (at != _EMPTY)).nonzero()[0]
+        busy = ((at != keys) & (at != _NO_KEY)).nonzero()[0]
         while busy.size:  # the next slot of each key still on another key's
-            slots[busy] = (slots[busy] + 1) & mask
-            at = table[slots[busy]]
-            busy = busy[(at != keys[busy]) & (at != _EMPTY)]
-        # A free slot's entry (0) is below the cut, as a forgotten key's is.
+            at_busy = (slots[busy] + _ONE) & mask
+            slots[busy] = at_busy
+            at = table[at_busy]
+            busy = busy[(at != keys[busy]) & (at != _NO_KEY)]
         entries = self._entries[slots]
-        return slots, np.where(entries >= self._cut, entries, 0)
+        if self._cut > 1:  # forgotten keys (a free slot's entry is 0 already)
+            entries[entries < self._cut] = 0
+        return slots, entries
 
     def store(self, keys: np.ndarray, slots: np.ndarray, entries: np.ndarray,
               earlier: np.ndarray) -> None:
@@ -155,7 +165,7 @@ class KeyHistory:
             lost = new[table[at] != mine]
             if not lost.size:
                 break
-            slots[lost], _ = self.find(keys[lost], (slots[lost] + 1) & self._mask)
+            slots[lost], _ = self.find(keys[lost], (slots[lost] + _ONE) & self._mask)
             new = lost
         stored[slots] = entries
         if self.count > 2 * self.capacity:
@@ -260,8 +270,8 @@ class KeyHistory:
         table = np.zeros((size, 2), np.int64)
         table[:, 0] = _EMPTY
         self._keys, self._entries = table[:, 0], table[:, 1]
-        self._mask = size - 1
-        self._shift = np.uint64(65 - size.bit_length())
+        self._mask = np.array(size - 1, np.int64)
+        self._shift = np.array(65 - size.bit_length(), np.uint64)
         self.count = 0
         self._used = 0
 
@@ -387,11 +397,12 @@ class ClassQueuePolicy:
         last = top
         if classes.size:
             caps = np.minimum.accumulate(classes)
-            if caps[0] < top:
-                cuts.append((0, int(caps[0])))
-            change = (caps[1:] != caps[:-1]).nonzero()[0] + 1
-            cuts += zip(change.tolist(), caps[change].tolist())
-            last = int(caps[-1])
+            first, last = int(caps[0]), int(caps[-1])
+            if first < top:
+                cuts.append((0, first))
+            if last != first:  # most chains are one class
+                change = (caps[1:] != caps[:-1]).nonzero()[0] + _ONE
+                cuts += zip(change.tolist(), caps[change].tolist())
         if partial and last > 1:
             cuts.append((classes.size, 1))
         return cuts

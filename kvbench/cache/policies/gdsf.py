@@ -21,7 +21,7 @@ import numpy as np
 
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import ClassQueuePolicy, KeyHistory
+from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory
 
 _UNIT = 1024
 """H is kept in 1/1024ths of `freq_weight = 1` (ints compare exactly)."""
@@ -40,7 +40,7 @@ class GDSFParams:
 class GDSFPolicy(ClassQueuePolicy):
     """Class = frequency; stamp = L when released; H = stamp + freq_weight x frequency."""
 
-    __slots__ = ("params", "history", "inflation", "_weight")
+    __slots__ = ("params", "history", "inflation", "_weight", "_counted")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: GDSFParams) -> None:
@@ -50,14 +50,16 @@ class GDSFPolicy(ClassQueuePolicy):
         self.inflation = 0
         """L (in 1/1024ths): the H of the latest victim."""
         self._weight = int(params.freq_weight * _UNIT)
+        self._counted = np.minimum(np.arange(256) + 1, params.max_freq)
+        """By the uses remembered (0: not remembered): the uses so far, this one counted, up
+        to max_freq."""
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
         hist = self.history
         keys, partial = self._chain_keys(blocks)
         top = self.params.max_freq
         slots, earlier = hist.find(keys)
-        # Uses so far, this one counted, up to max_freq (a key not remembered: 1).
-        freq = np.minimum((earlier & 255) + 1, top)
+        freq = self._counted[earlier & LOW_BYTE]
         start = hist.clock
         hist.clock = start + keys.size + partial  # a partial block ticks, unremembered
         ticks = np.arange((start + 1) << 8, (start + keys.size + 1) << 8, 1 << 8)

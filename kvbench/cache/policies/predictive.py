@@ -27,7 +27,7 @@ import numpy as np
 
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import ClassQueuePolicy, KeyHistory
+from .base import LOW_BYTE, TICK_SHIFT, ClassQueuePolicy, KeyHistory
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +47,8 @@ class PredictiveParams:
 
 
 class PredictivePolicy(ClassQueuePolicy):
-    __slots__ = ("params", "history", "uses", "reuses", "_horizon", "_scale", "_shift")
+    __slots__ = ("params", "history", "uses", "reuses", "_horizon", "_scale", "_shift",
+                 "_next_class")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: PredictiveParams) -> None:
@@ -59,6 +60,8 @@ class PredictivePolicy(ClassQueuePolicy):
         self.reuses = [0] * (params.max_class + 1)
         """Per class: uses followed by another use within the horizon."""
         self._horizon = int(params.horizon_ratio * capacity)
+        self._next_class = np.minimum(np.arange(256) + 1, params.max_class)
+        """A use's class by the uses remembered before it (0: not remembered)."""
         self._scale = params.boost * self._horizon
         self._shift = [0] * (params.max_class + 1)
         """Per class: `boost x horizon x p` (an int), non-decreasing over the classes."""
@@ -73,21 +76,21 @@ class PredictivePolicy(ClassQueuePolicy):
         keys, partial = self._chain_keys(blocks)
         top = self.params.max_class
         slots, earlier = hist.find(keys)
-        was = earlier & 255  # 0: not remembered
-        cls = np.minimum(was + 1, top)  # a key not remembered: class 1
+        was = earlier & LOW_BYTE  # 0: not remembered
+        cls = self._next_class[was]  # a key not remembered: class 1
         start = hist.clock
         hist.clock = start + keys.size + partial  # a partial block ticks, unremembered
         ticks = np.arange(start + 1, start + keys.size + 1, dtype=np.int64)
         # A use followed by this one within the horizon was reused soon. Keys not remembered
         # fall in bin 0 (their tick minus 0 may be within it): dropped, class 0 is unused.
-        soon = np.bincount(was[ticks - (earlier >> 8) <= self._horizon],
+        soon = np.bincount(was[(earlier >> TICK_SHIFT) >= ticks - self._horizon],
                            minlength=top + 1).tolist()
         soon[0] = 0
         used = np.bincount(cls, minlength=top + 1)
         used[1] += partial
         self.reuses = [a + b for a, b in zip(self.reuses, soon)]
         self.uses = [a + b for a, b in zip(self.uses, used.tolist())]
-        hist.store(keys, slots, (ticks << 8) | cls, earlier)
+        hist.store(keys, slots, (ticks << TICK_SHIFT) | cls, earlier)
         self._update_shifts()
         return self._cuts(cls, top, partial), start
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
 from ..ids import BlockId, BlockKey
-from ..radix import PrefixIndex
+from ..radix import _KEY, _POSITION, _SOURCE, PrefixIndex
 
 
 _NO_BOUND = 1 << 62
@@ -50,6 +50,28 @@ TICK_SHIFT = np.array(8, np.int64)
 DICT_HISTORY_MAX = 1 << 15
 """The largest `KeyHistory` capacity kept in a dict (at most twice that many keys: a few MB,
 which stays in the CPU caches); larger ones use the numpy table."""
+
+
+def chain_keys(index: PrefixIndex, blocks: list[BlockId]) -> tuple[np.ndarray, bool]:
+    """The keys of a release's full `blocks` (one sequence's, deepest first), shallowest
+    first as the sequence touched them, and whether the deepest is a partial block (no key).
+
+    A release is mostly one run of positions, whose keys are a slice of the key list of the
+    request that stored its deepest block (keys chain the prefix, so that request's keys
+    below it are the run's): one list slice instead of a record lookup per block."""
+    stored = index.stored
+    partial = stored[blocks[0]][_KEY] is None
+    n = len(blocks) - partial
+    if n:
+        deepest = stored[blocks[partial]]
+        end = deepest[_POSITION] + 1
+        if stored[blocks[-1]][_POSITION] == end - n:  # positions fall one by one
+            keys = deepest[_SOURCE].block_keys(index.tpb)
+            assert keys[end - 1] == deepest[_KEY]
+            return np.array(keys[end - n:end], np.int64), partial
+    chain = blocks[:0:-1] if partial else blocks[::-1]
+    return np.fromiter(map(record_key, map(stored.__getitem__, chain)), np.int64,
+                       len(chain)), partial
 
 
 def _keyed(keys: list, answer) -> list[bool]:
@@ -378,15 +400,6 @@ class ClassQueuePolicy:
         return [BlockId(e[4]) for e in entries]
 
     # --- for subclasses -------------------------------------------------------------------
-
-    def _chain_keys(self, blocks: list[BlockId]) -> tuple[np.ndarray, bool]:
-        """The keys of a release's full `blocks` (deepest first), shallowest first, as the
-        sequence touched them, and whether the deepest is a partial block (no key)."""
-        stored = self.index.stored
-        partial = stored[blocks[0]][0] is None
-        chain = blocks[:0:-1] if partial else blocks[::-1]
-        return np.fromiter(map(record_key, map(stored.__getitem__, chain)), np.int64,
-                           len(chain)), partial
 
     @staticmethod
     def _cuts(classes: np.ndarray, top: int, partial: bool) -> list[tuple[int, int]]:

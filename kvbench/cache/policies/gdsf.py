@@ -21,7 +21,7 @@ import numpy as np
 
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory
+from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, chain_keys
 
 _UNIT = 1024
 """H is kept in 1/1024ths of `freq_weight = 1` (ints compare exactly)."""
@@ -56,7 +56,7 @@ class GDSFPolicy(ClassQueuePolicy):
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
         hist = self.history
-        keys, partial = self._chain_keys(blocks)
+        keys, partial = chain_keys(self.index, blocks)
         top = self.params.max_freq
         slots, earlier = hist.find(keys)
         freq = self._counted[earlier & LOW_BYTE]

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import LOW_BYTE, TICK_SHIFT, ClassQueuePolicy, KeyHistory
+from .base import LOW_BYTE, TICK_SHIFT, ClassQueuePolicy, KeyHistory, chain_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +73,7 @@ class PredictivePolicy(ClassQueuePolicy):
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
         hist = self.history
-        keys, partial = self._chain_keys(blocks)
+        keys, partial = chain_keys(self.index, blocks)
         top = self.params.max_class
         slots, earlier = hist.find(keys)
         was = earlier & LOW_BYTE  # 0: not remembered

@@ -21,7 +21,7 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import KeyHistory, record_key
+from .base import TICK_SHIFT, KeyHistory, chain_keys, record_key
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
 """FIFO mask of the first queue (class 0) at every level."""
@@ -140,20 +140,17 @@ class SLRUPolicy(_TwoQueues):
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
         hist = self.history
         recs = list(map(self.index.stored.__getitem__, blocks))
-        keys = [rec[0] for rec in recs]
-        partial = keys[0] is None  # the deepest block may be partial (no key)
-        n = len(blocks)
-        known = np.array(keys[1:] if partial else keys, np.int64)
+        known, partial = chain_keys(self.index, blocks)  # shallowest first
         slots, earlier = hist.find(known)
-        seen = (earlier > 0).tolist()
-        if partial:
+        seen = (earlier[::-1] > 0).tolist()  # deepest first, as `blocks`
+        if partial:  # the deepest block may be partial (no key): never seen
             seen.insert(0, False)
-        # The sequence touched its blocks shallowest first: one clock tick each, so the
-        # deepest (first here) gets the latest.
+        # The sequence touched its blocks shallowest first: one clock tick each (the partial
+        # block's is the last, unremembered).
         start = hist.clock
-        hist.clock = start + n
-        hist.store(known, slots, np.arange(start + n - partial, start, -1, dtype=np.int64) << 8,
-                   earlier)
+        hist.clock = start + known.size + partial
+        hist.store(known, slots, np.arange(start + 1, start + known.size + 1, dtype=np.int64)
+                   << TICK_SHIFT, earlier)
         # Protected: reused while cached, or new data whose key was used before.
         for i, _ in self._returned(blocks, recs)[0]:
             seen[i] = True

@@ -173,7 +173,9 @@ class KeyHistory:
         table, stored = self._keys, self._entries
         new = (table[slots] != keys).nonzero()[0]
         if 3 * (self._used + new.size) > len(table):  # at most a third full: short probes
-            self._rebuild(6 * (self.count + new.size))
+            # Never smaller: the keys remembered swing between `capacity` and twice that,
+            # and a table sized to the low end would be rebuilt again soon.
+            self._rebuild(max(len(table), 6 * (self.count + new.size)))
             table, stored = self._keys, self._entries
             slots, _ = self.find(keys)
             new = (table[slots] != keys).nonzero()[0]

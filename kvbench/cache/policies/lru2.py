@@ -35,23 +35,30 @@ whenever its extension is, so without the per-block ticks it would rank at least
 anyway), and at equal rank the block pushed first goes first; a release pushes its deepest
 block first, so in either order a chain is evicted from its tip.
 
-Structure, per retention priority level, all lazy: every queued block has a tag (its push
-order and id); a FIFO of all tags (the LRU order), a FIFO of the tags of once-used blocks and,
-for the others (the LRU-2 order, by rank then tag), runs: the blocks of one push with one rank
-(consecutive tags), in a binary heap keyed by `(rank, first tag)`. Runs of one rank hold
-disjoint tag ranges, so that key orders whole runs: the victims are the front run's tags in
-order, and a heap operation is paid per run, not per block (the running minimum gives a
-release's chain few distinct ranks). A claimed, requeued or evicted block's tag changes, so its
-old entries are skipped when they surface and dropped when a structure is compacted (when it
-holds more than twice its live entries).
+Structure, per retention priority level, all lazy, with no Python work per block: every
+queued block has a tag (its push order, from 1, and its level in the low bits; 0 while not
+queued) in a numpy view of an int array. A push is kept as numpy arrays of its blocks and
+their tags, in a FIFO of pushes (the LRU order) and as runs (the blocks of one push with one
+rank, consecutive tags) in a binary heap keyed by `(rank, first tag)` (the LRU-2 order; the
+once-used blocks are the runs of rank 0). Runs of one rank hold disjoint tag ranges, so that
+key orders whole runs: the victims are the front run's blocks in order, checked a run at a
+time against the tags (a claimed, requeued or evicted block's tag changed: its old entries are
+skipped when they surface), and a heap operation is paid per run, not per block (the running
+minimum gives a release's chain few distinct ranks). A structure holding more than twice its
+level's live blocks drops its stale entries (amortised O(1) per push); the FIFO is compacted
+into one array, so it stays a few arrays long while LRU-2 leads and never pops it.
+
+The shadows are kept the same way: the LRU shadow a dict in use order, the LRU-2 shadow a dict
+of each key's insertion order and a heap of a release's runs of one rank.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from array import array
+from collections import deque
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
-from itertools import groupby
+from itertools import groupby, islice, repeat
 
 import numpy as np
 
@@ -60,13 +67,15 @@ from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import KeyHistory, record_key
 
-_BLOCK_BITS = 32
-_BLOCK_MASK = (1 << _BLOCK_BITS) - 1
-_TAG_BITS = _BLOCK_BITS + 40
-_TAG_MASK = (1 << _TAG_BITS) - 1
+_LEVEL_BITS = 7
+_LEVEL_MASK = (1 << _LEVEL_BITS) - 1
+_KEY_SHIFT = 64
+"""A run's heap key is `(rank << 64) | first tag` (tags stay below 2**63)."""
 _SAMPLE_PRIME = 65521
 """Shadow keys are those with `key % prime % shadow_sampling == 0`: block keys of a trace are
 structured ints (hash id and offset), so their low bits alone would sample unevenly."""
+
+assert NUM_PRIORITY_LEVELS <= 1 << _LEVEL_BITS
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +95,13 @@ class LRU2Policy:
     LRU shadow holds more of the sampled keys."""
 
     __slots__ = ("index", "capacity", "params", "history", "use_lru2", "shadow_hits",
-                 "_tag", "_rank", "_level", "_live", "_once_live", "_fifo", "_once", "_runs",
-                 "_in_runs", "_nonempty", "_size", "_order", "_shadow_lru", "_shadow_lru2",
-                 "_shadow_heap", "_shadow_cap", "_shadow_order", "_halve_at")
+                 "_tag", "_tags", "_rank", "_ranks", "_pushed", "_live", "_fifo", "_in_fifo",
+                 "_runs", "_in_runs", "_nonempty", "_size", "_shadow_lru", "_shadow_lru2",
+                 "_shadow_runs", "_in_shadow_runs", "_shadow_cap", "_shadow_order",
+                 "_halve_at")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: LRU2Params) -> None:
-        assert id_space <= _BLOCK_MASK
         self.index = index
         self.capacity = capacity
         self.params = params
@@ -101,28 +110,37 @@ class LRU2Policy:
         """The order victims are taken in now (False: LRU)."""
         self.shadow_hits = [0, 0]
         """Sampled keys the LRU and the LRU-2 shadow held when used, halved every period."""
-        self._tag = [0] * id_space
-        """(push order << 32) | block while queued (push orders start at 1), else 0."""
-        self._rank = [0] * id_space
+        # Each per-block int array has a numpy view: one element at a time through the array
+        # (a Python int, no numpy scalar), a push or a run at once through the view.
+        self._tag = array("q", bytes(8 * id_space))
+        """`(push order << 7) | level` while queued (push orders start at 1), else 0."""
+        self._tags = np.frombuffer(self._tag, np.int64)
+        self._rank = array("q", bytes(8 * id_space))
         """Tick of the second-to-last use of the block's data (0: one use only)."""
-        self._level = [0] * id_space
+        self._ranks = np.frombuffer(self._rank, np.int64)
+        self._pushed = 0
+        """Blocks pushed so far (the last push order)."""
         self._live = [0] * NUM_PRIORITY_LEVELS
-        self._once_live = [0] * NUM_PRIORITY_LEVELS
-        """Per level: queued blocks of rank 0."""
         self._fifo = [deque() for _ in range(NUM_PRIORITY_LEVELS)]
-        self._once = [deque() for _ in range(NUM_PRIORITY_LEVELS)]
-        self._runs: list[list[tuple[int, deque]]] = [[] for _ in range(NUM_PRIORITY_LEVELS)]
-        """Per level: heap of `((rank << _TAG_BITS) | first tag, tags)` runs."""
+        """Per level: `(tags, blocks)` arrays of each push, in push order."""
+        self._in_fifo = [0] * NUM_PRIORITY_LEVELS
+        """Per level: entries in the FIFO, stale ones included."""
+        self._runs: list[list[tuple[int, np.ndarray, np.ndarray]]] = [
+            [] for _ in range(NUM_PRIORITY_LEVELS)]
+        """Per level: heap of `((rank << 64) | first tag, tags, blocks)` runs."""
         self._in_runs = [0] * NUM_PRIORITY_LEVELS
-        """Per level: tags in runs, stale ones included."""
         self._nonempty = 0
         self._size = 0
-        self._order = 0
         n = params.shadow_sampling
         self._shadow_cap = max(1, capacity // n) if n else 0
-        self._shadow_lru: OrderedDict = OrderedDict()
-        self._shadow_lru2: dict = {}  # key -> (rank, order, key), its live heap entry
-        self._shadow_heap: list = []
+        self._shadow_lru: dict = {}
+        """Sampled keys in LRU order (a dict keeps insertion order; a use moves a key last)."""
+        self._shadow_lru2: dict = {}
+        """Sampled key -> the insertion order of its live entry in `_shadow_runs`."""
+        self._shadow_runs: list[list] = []
+        """Heap of `[(rank << 64) | first order, first order, keys, next]`: a release's sampled
+        keys of one rank, in insertion order, the first `next` of them gone."""
+        self._in_shadow_runs = 0
         self._shadow_order = 0
         self._halve_at = self.history.capacity
 
@@ -143,9 +161,10 @@ class LRU2Policy:
         # Shallowest first, as the sequence touched them (one tick each); keys in a chain are
         # distinct, so every earlier use is read before this release writes its own. The rank
         # is the earlier use's tick (0: none), capped at the parent's: a running minimum.
-        keys = list(map(record_key, map(self.index.stored.__getitem__, reversed(blocks))))
-        partial = keys[-1] is None  # the deepest block may be partial (no key)
-        known = np.array(keys[:-1] if partial else keys, np.int64)
+        stored = self.index.stored
+        partial = stored[blocks[0]][0] is None  # the deepest block may be partial (no key)
+        known = np.fromiter(map(record_key, map(stored.__getitem__, reversed(blocks))),
+                            np.int64, n - partial) if n > partial else np.empty(0, np.int64)
         slots, earlier = hist.find(known)
         ticks = earlier >> 8  # 0: none
         if partial:
@@ -157,83 +176,75 @@ class LRU2Policy:
         if self._shadow_cap:  # the sampled keys (a partial block has none) and their ranks
             picked = (known % _SAMPLE_PRIME % self.params.shadow_sampling == 0).nonzero()[0]
             if picked.size:
+                picked = picked[::-1]  # deepest first, as the pool's pushes
                 self._shadow(known[picked].tolist(), capped[picked].tolist())
             self._choose()
-        ranks = capped.tolist()
-        ranks.reverse()  # deepest first, as `blocks`
-        self._push_ranked(blocks, ranks, priority)
+        self._push_ranked(blocks, capped[::-1], priority)
 
     def push_back(self, block: BlockId, priority: int) -> None:
         """A claim undone (the block was not used): back with the rank it had."""
-        self._push_ranked([block], [self._rank[block]], priority)
+        self._push_ranked([block], self._ranks[block:block + 1].copy(), priority)
 
     def remove(self, block: BlockId) -> None:
         """A claim: the block is in use."""
-        assert self._tag[block], "block not in the free queue"
+        t = self._tag[block]
+        assert t, "block not in the free queue"
         self._tag[block] = 0
-        lv = self._level[block]
+        lv = t & _LEVEL_MASK
         self._size -= 1
-        self._live[lv] -= 1
-        if not self._rank[block]:
-            self._once_live[lv] -= 1
-        if not self._live[lv]:
+        live = self._live[lv] = self._live[lv] - 1
+        if not live:
             self._clear(lv)
 
     def requeue(self, block: BlockId, priority: int) -> None:
         """To level `priority` (its retention ended; not a use), after the blocks of its rank
         already there."""
         self.remove(block)
-        self._push_ranked([block], [self._rank[block]], priority)
+        self._push_ranked([block], self._ranks[block:block + 1].copy(), priority)
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
-        append = out.append
-        tag, rank, live, once_live = self._tag, self._rank, self._live, self._once_live
+        tags, live = self._tags, self._live
         while len(out) < n and self._nonempty:
             mask = self._nonempty
             lv = (mask & -mask).bit_length() - 1
             take = want = min(n - len(out), live[lv])
-            if not self.use_lru2:
-                pop = self._fifo[lv].popleft
-                once = 0
-                while want:
-                    t = pop()
-                    b = t & _BLOCK_MASK
-                    if tag[b] == t:  # else stale: claimed, requeued or evicted since
-                        tag[b] = 0
-                        append(b)
-                        want -= 1
-                        if not rank[b]:
-                            once += 1
-                once_live[lv] -= once
-            else:
-                pop = self._once[lv].popleft
-                once = min(want, once_live[lv])
-                once_live[lv] -= once
-                want -= once
-                while once:  # the once-used first, oldest first
-                    t = pop()
-                    b = t & _BLOCK_MASK
-                    if tag[b] == t:
-                        tag[b] = 0
-                        append(b)
-                        once -= 1
+            if self.use_lru2:
                 runs = self._runs[lv]
-                taken = 0
-                while want:  # then the front run's tags, run by run
-                    run = runs[0][1]
-                    pop = run.popleft
-                    while run and want:
-                        t = pop()
-                        taken += 1
-                        b = t & _BLOCK_MASK
-                        if tag[b] == t:
-                            tag[b] = 0
-                            append(b)
-                            want -= 1
-                    if not run:
+                gone = 0
+                while want:  # the front run's blocks, run by run
+                    key, run_tags, run = runs[0]
+                    ok = tags[run] == run_tags
+                    kept = run[ok]
+                    if kept.size > want:
+                        runs[0] = (key, run_tags[ok][want:], kept[want:])
+                        gone += want + run.size - kept.size
+                        kept = kept[:want]
+                    else:
                         heappop(runs)
-                self._in_runs[lv] -= taken
+                        gone += run.size
+                    tags[kept] = 0
+                    out += kept.tolist()
+                    want -= kept.size
+                self._in_runs[lv] -= gone
+            else:
+                fifo = self._fifo[lv]
+                gone = 0
+                while want:  # the oldest push's blocks, push by push
+                    run_tags, run = fifo[0]
+                    ok = tags[run] == run_tags
+                    kept = run[ok]
+                    if kept.size > want:
+                        fifo[0] = (run_tags[ok][want:], kept[want:])
+                        gone += want + run.size - kept.size
+                        kept = kept[:want]
+                    else:
+                        fifo.popleft()
+                        gone += run.size
+                    tags[kept] = 0
+                    out += kept.tolist()
+                    want -= kept.size
+                self._in_fifo[lv] -= gone
             live[lv] -= take
             self._size -= take
             if not live[lv]:
@@ -242,103 +253,140 @@ class LRU2Policy:
 
     def order(self) -> list[BlockId]:
         """Eviction order if nothing changed meanwhile (tests; O(n log n))."""
-        queued = [b for b, t in enumerate(self._tag) if t]
+        tag, rank = self._tag, self._rank
+        queued = [b for b, t in enumerate(tag) if t]
         if self.use_lru2:
-            queued.sort(key=lambda b: (self._level[b], self._rank[b], self._tag[b]))
+            queued.sort(key=lambda b: (tag[b] & _LEVEL_MASK, rank[b], tag[b]))
         else:
-            queued.sort(key=lambda b: (self._level[b], self._tag[b]))
+            queued.sort(key=lambda b: (tag[b] & _LEVEL_MASK, tag[b]))
         return [BlockId(b) for b in queued]
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def _push_ranked(self, blocks: list[BlockId], ranks: list[int], priority: int) -> None:
+    def _push_ranked(self, blocks: list[BlockId], ranks: np.ndarray, priority: int) -> None:
         """Queue `blocks` with `ranks` (non-decreasing: the rank-0 blocks come first)."""
-        tag, rank, level = self._tag, self._rank, self._level
         n = len(blocks)
-        o = self._order
-        self._order = o + n
-        tags = [(k << _BLOCK_BITS) | b for k, b in zip(range(o + 1, o + n + 1), blocks)]
-        for b, t, r in zip(blocks, tags, ranks):
-            assert not tag[b], "block already in the free queue"
-            tag[b] = t
-            rank[b] = r
-            level[b] = priority
-        m = ranks.count(0)
-        self._fifo[priority].extend(tags)
-        if m:
-            self._once[priority].extend(tags[:m])
-            self._once_live[priority] += m
-        if m < n:
-            runs = self._runs[priority]
-            i = m
-            for r, same in groupby(ranks[m:]):
-                j = i + len(list(same))
-                heappush(runs, ((r << _TAG_BITS) | tags[i], deque(tags[i:j])))
-                i = j
-            self._in_runs[priority] += n - m
+        run = np.array(blocks, np.int64)
+        assert not self._tags[run].any(), "block already in the free queue"
+        o = self._pushed
+        self._pushed = o + n
+        run_tags = np.arange(((o + 1) << _LEVEL_BITS) | priority,
+                             ((o + n + 1) << _LEVEL_BITS), 1 << _LEVEL_BITS, np.int64)
+        self._tags[run] = run_tags
+        self._ranks[run] = ranks
+        self._fifo[priority].append((run_tags, run))
+        self._in_fifo[priority] += n
+        heap = self._runs[priority]
+        first, last = int(ranks[0]), int(ranks[-1])
+        if first == last:
+            heappush(heap, ((first << _KEY_SHIFT) | int(run_tags[0]), run_tags, run))
+        else:  # one run per rank
+            cuts = [0, *((ranks[1:] != ranks[:-1]).nonzero()[0] + 1).tolist(), n]
+            for i, j in zip(cuts, cuts[1:]):
+                heappush(heap, ((int(ranks[i]) << _KEY_SHIFT) | int(run_tags[i]),
+                                run_tags[i:j], run[i:j]))
+        self._in_runs[priority] += n
         self._size += n
         live = self._live[priority] = self._live[priority] + n
         self._nonempty |= 1 << priority
-        self._compact(priority, live)
+        if self._in_fifo[priority] > 2 * live + 64:
+            self._compact_fifo(priority)
+        if self._in_runs[priority] > 2 * live + 64:
+            self._compact_runs(priority)
 
-    def _compact(self, lv: int, live: int) -> None:
-        """Drop stale entries at level `lv` from a structure holding over twice its live ones
-        (amortised O(1) per push)."""
+    def _compact_fifo(self, lv: int) -> None:
+        """Drop the stale entries of level `lv`'s FIFO, leaving one push of its live blocks."""
         fifo = self._fifo[lv]
-        if len(fifo) > 2 * live + 64:
-            self._fifo[lv] = deque(self._current(fifo))
-        once = self._once[lv]
-        if len(once) > 2 * self._once_live[lv] + 64:
-            self._once[lv] = deque(self._current(once))
-        if self._in_runs[lv] > 2 * (live - self._once_live[lv]) + 64:
-            # Keys stay: a run's remaining tags keep their order among the other runs.
-            runs = [(key, deque(kept)) for key, run in self._runs[lv]
-                    if (kept := self._current(run))]
-            heapify(runs)
-            self._runs[lv] = runs
-            self._in_runs[lv] = sum(len(run) for _, run in runs)
+        run_tags = np.concatenate([t for t, _ in fifo])
+        run = np.concatenate([b for _, b in fifo])
+        ok = self._tags[run] == run_tags
+        fifo.clear()
+        fifo.append((run_tags[ok], run[ok]))
+        self._in_fifo[lv] = self._live[lv]
 
-    def _current(self, tags) -> list[int]:
-        """The tags among `tags` that are their block's current one, in order."""
-        tag = self._tag
-        return [t for t in tags if tag[t & _BLOCK_MASK] == t]
+    def _compact_runs(self, lv: int) -> None:
+        """Drop the stale entries of level `lv`'s runs. Keys stay: a run's remaining blocks
+        keep their order among the other runs."""
+        tags = self._tags
+        runs = []
+        for key, run_tags, run in self._runs[lv]:
+            ok = tags[run] == run_tags
+            if ok.any():
+                runs.append((key, run_tags[ok], run[ok]))
+        heapify(runs)
+        self._runs[lv] = runs
+        self._in_runs[lv] = self._live[lv]
 
     def _clear(self, lv: int) -> None:
         """Level `lv` has no queued block left: only stale entries remain."""
         self._fifo[lv].clear()
-        self._once[lv].clear()
         self._runs[lv].clear()
-        self._in_runs[lv] = 0
+        self._in_fifo[lv] = self._in_runs[lv] = 0
         self._nonempty &= ~(1 << lv)
 
     def _shadow(self, keys: list, ranks: list[int]) -> None:
-        """Replay a release's sampled keys with their ranks (shallowest first) against both
-        shadows, in the pool's push order (deepest first)."""
+        """Replay a release's sampled keys with their ranks (deepest first, as the pool's
+        pushes) against both shadows, trimming each to its capacity after the release."""
         hits = self.shadow_hits
-        lru, lru2, heap = self._shadow_lru, self._shadow_lru2, self._shadow_heap
+        lru, lru2 = self._shadow_lru, self._shadow_lru2
         cap = self._shadow_cap
+        # LRU: a key used again moves last (keys in a chain are distinct: each once).
+        held = sum(map(lru.__contains__, keys))
+        if held:
+            hits[0] += held
+            for k in keys:
+                lru.pop(k, None)
+        lru.update(zip(keys, repeat(None)))
+        over = len(lru) - cap
+        if over > 0:
+            for k in list(islice(lru, over)):
+                del lru[k]
+        # LRU-2: entries in (rank, insertion order); a key used again has a new live entry.
+        hits[1] += sum(map(lru2.__contains__, keys))
         order = self._shadow_order
-        for k, r in zip(reversed(keys), reversed(ranks)):
-            if k in lru:
-                hits[0] += 1
-                lru.move_to_end(k)
+        self._shadow_order = order + len(keys)
+        lru2.update(zip(keys, range(order + 1, order + len(keys) + 1)))
+        heap = self._shadow_runs
+        i = 0
+        for r, same in groupby(ranks):
+            j = i + len(list(same))
+            first = order + 1 + i
+            heappush(heap, [(r << _KEY_SHIFT) | first, range(first, order + 1 + j),
+                            keys[i:j], 0])
+            i = j
+        self._in_shadow_runs += len(keys)
+        over = len(lru2) - cap
+        get = lru2.get
+        while over > 0:  # the front run's keys that are still live, in order
+            run = heap[0]
+            _, orders, run_keys, k = run
+            end = len(run_keys)
+            start = k
+            while k < end and over:
+                key = run_keys[k]
+                if get(key) == orders[k]:
+                    del lru2[key]
+                    over -= 1
+                k += 1
+            self._in_shadow_runs -= k - start
+            if k == end:
+                heappop(heap)
             else:
-                lru[k] = None
-            if k in lru2:
-                hits[1] += 1
-            order += 1
-            lru2[k] = e = (r, order, k)
-            heappush(heap, e)
-        self._shadow_order = order
-        while len(lru) > cap:
-            lru.popitem(last=False)
-        while len(lru2) > cap:
-            e = heappop(heap)
-            if lru2.get(e[2]) is e:
-                del lru2[e[2]]
-        if len(heap) > 2 * len(lru2) + 64:
-            heap[:] = [e for e in heap if lru2.get(e[2]) is e]
-            heapify(heap)
+                run[3] = k
+        if self._in_shadow_runs > 2 * len(lru2) + 64:
+            self._compact_shadow()
+
+    def _compact_shadow(self) -> None:
+        """Drop the stale keys of the LRU-2 shadow's runs (heap keys stay, as the pool's)."""
+        get = self._shadow_lru2.get
+        runs = []
+        for key, orders, run_keys, k in self._shadow_runs:
+            kept = [(o, x) for o, x in zip(orders[k:], run_keys[k:]) if get(x) == o]
+            if kept:
+                runs.append([key, [o for o, _ in kept], [x for _, x in kept], 0])
+        heapify(runs)
+        self._shadow_runs = runs
+        self._in_shadow_runs = len(self._shadow_lru2)
 
     def _choose(self) -> None:
         """Halve the shadows' counts every history period; evict in the order that leads."""
@@ -349,23 +397,32 @@ class LRU2Policy:
         self.use_lru2 = self.shadow_hits[1] >= self.shadow_hits[0]
 
     def _check_sanity(self) -> bool:
-        queued = [b for b, t in enumerate(self._tag) if t]
+        tag, rank = self._tag, self._rank
+        queued = [b for b, t in enumerate(tag) if t]
         assert len(queued) == self._size
+        low = (1 << _KEY_SHIFT) - 1
         for lv in range(NUM_PRIORITY_LEVELS):
-            live = [b for b in queued if self._level[b] == lv]
-            once = [b for b in live if not self._rank[b]]
-            assert len(live) == self._live[lv] and len(once) == self._once_live[lv]
-            assert bool(live) == bool(self._nonempty >> lv & 1)
-            fifo, once_q = set(self._fifo[lv]), set(self._once[lv])
-            run_rank = {}
-            for key, run in self._runs[lv]:
-                assert run and key & _TAG_MASK <= run[0] and list(run) == sorted(run)
-                run_rank.update(dict.fromkeys(run, key >> _TAG_BITS))
-            assert sum(len(run) for _, run in self._runs[lv]) == self._in_runs[lv]
-            for b in live:
-                t = self._tag[b]
-                assert t & _BLOCK_MASK == b and t in fifo
-                assert t in once_q if not self._rank[b] else run_rank.get(t) == self._rank[b]
+            live = sorted(b for b in queued if tag[b] & _LEVEL_MASK == lv)
+            assert len(live) == self._live[lv] and bool(live) == bool(self._nonempty >> lv & 1)
+            # Each order holds every live block once, under its current tag.
+            fifo = [(t, b) for ts, bs in self._fifo[lv]
+                    for t, b in zip(ts.tolist(), bs.tolist())]
+            assert len(fifo) == self._in_fifo[lv] and fifo == sorted(fifo, key=lambda e: e[0])
+            assert sorted(b for t, b in fifo if tag[b] == t) == live
+            in_runs, entries = [], 0
+            for key, ts, bs in self._runs[lv]:
+                ts, bs = ts.tolist(), bs.tolist()
+                assert ts and key & low <= ts[0] and ts == sorted(ts)
+                entries += len(ts)
+                current = [b for t, b in zip(ts, bs) if tag[b] == t]
+                assert all(rank[b] == key >> _KEY_SHIFT for b in current)
+                in_runs += current
+            assert entries == self._in_runs[lv] and sorted(in_runs) == live
         cap = self._shadow_cap
-        assert len(self._shadow_lru) <= cap and len(self._shadow_lru2) <= cap
+        lru2 = self._shadow_lru2
+        assert len(self._shadow_lru) <= cap and len(lru2) <= cap
+        entries = [(x, o) for _, orders, keys, k in self._shadow_runs
+                   for o, x in zip(orders[k:], keys[k:])]
+        assert len(entries) == self._in_shadow_runs
+        assert sorted(e for e in entries if lru2.get(e[0]) == e[1]) == sorted(lru2.items())
         return True

@@ -57,6 +57,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from heapq import heapify, heappop, heappush
 from itertools import groupby, islice, repeat
 
@@ -71,9 +72,14 @@ _LEVEL_BITS = 7
 _LEVEL_MASK = (1 << _LEVEL_BITS) - 1
 _KEY_SHIFT = 64
 """A run's heap key is `(rank << 64) | first tag` (tags stay below 2**63)."""
-_SAMPLE_PRIME = 65521
+_SAMPLE_PRIME = np.array(65521, np.int64)
 """Shadow keys are those with `key % prime % shadow_sampling == 0`: block keys of a trace are
 structured ints (hash id and offset), so their low bits alone would sample unevenly."""
+# Constant operands of per-release numpy calls are 0-d arrays: numpy converts a Python
+# scalar operand on every call, which costs more than the call on a short array.
+_ZERO = np.array(0, np.int64)
+_ONE = np.array(1, np.int64)
+_TICK_SHIFT = np.array(8, np.int64)
 
 assert NUM_PRIORITY_LEVELS <= 1 << _LEVEL_BITS
 
@@ -98,7 +104,7 @@ class LRU2Policy:
                  "_tag", "_tags", "_rank", "_ranks", "_pushed", "_live", "_fifo", "_in_fifo",
                  "_runs", "_in_runs", "_nonempty", "_size", "_shadow_lru", "_shadow_lru2",
                  "_shadow_runs", "_in_shadow_runs", "_shadow_cap", "_shadow_order",
-                 "_halve_at")
+                 "_halve_at", "_sampling")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: LRU2Params) -> None:
@@ -122,7 +128,8 @@ class LRU2Policy:
         """Blocks pushed so far (the last push order)."""
         self._live = [0] * NUM_PRIORITY_LEVELS
         self._fifo = [deque() for _ in range(NUM_PRIORITY_LEVELS)]
-        """Per level: `(tags, blocks)` arrays of each push, in push order."""
+        """Per level: `(0, tags, blocks)` arrays of each push, in push order (the zero stands for
+        a run's key, so both structures are taken from alike)."""
         self._in_fifo = [0] * NUM_PRIORITY_LEVELS
         """Per level: entries in the FIFO, stale ones included."""
         self._runs: list[list[tuple[int, np.ndarray, np.ndarray]]] = [
@@ -133,6 +140,7 @@ class LRU2Policy:
         self._size = 0
         n = params.shadow_sampling
         self._shadow_cap = max(1, capacity // n) if n else 0
+        self._sampling = np.array(n, np.int64)
         self._shadow_lru: dict = {}
         """Sampled keys in LRU order (a dict keeps insertion order; a use moves a key last)."""
         self._shadow_lru2: dict = {}
@@ -166,15 +174,14 @@ class LRU2Policy:
         known = np.fromiter(map(record_key, map(stored.__getitem__, reversed(blocks))),
                             np.int64, n - partial) if n > partial else np.empty(0, np.int64)
         slots, earlier = hist.find(known)
-        ticks = earlier >> 8  # 0: none
-        if partial:
-            ticks = np.append(ticks, 0)
+        ticks = np.zeros(n, np.int64)  # 0: none (and for a partial block)
+        np.right_shift(earlier, _TICK_SHIFT, out=ticks[:known.size])
         capped = np.minimum.accumulate(ticks)
         hist.clock = clock + n
-        hist.store(known, slots,
-                   np.arange(clock + 1, clock + known.size + 1, dtype=np.int64) << 8, earlier)
+        hist.store(known, slots, np.arange((clock + 1) << 8, (clock + known.size + 1) << 8,
+                                           1 << 8, np.int64), earlier)
         if self._shadow_cap:  # the sampled keys (a partial block has none) and their ranks
-            picked = (known % _SAMPLE_PRIME % self.params.shadow_sampling == 0).nonzero()[0]
+            picked = (known % _SAMPLE_PRIME % self._sampling == _ZERO).nonzero()[0]
             if picked.size:
                 picked = picked[::-1]  # deepest first, as the pool's pushes
                 self._shadow(known[picked].tolist(), capped[picked].tolist())
@@ -204,47 +211,20 @@ class LRU2Policy:
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
-        tags, live = self._tags, self._live
+        live = self._live
         while len(out) < n and self._nonempty:
             mask = self._nonempty
             lv = (mask & -mask).bit_length() - 1
-            take = want = min(n - len(out), live[lv])
+            take = min(n - len(out), live[lv])
             if self.use_lru2:
                 runs = self._runs[lv]
-                gone = 0
-                while want:  # the front run's blocks, run by run
-                    key, run_tags, run = runs[0]
-                    ok = tags[run] == run_tags
-                    kept = run[ok]
-                    if kept.size > want:
-                        runs[0] = (key, run_tags[ok][want:], kept[want:])
-                        gone += want + run.size - kept.size
-                        kept = kept[:want]
-                    else:
-                        heappop(runs)
-                        gone += run.size
-                    tags[kept] = 0
-                    out += kept.tolist()
-                    want -= kept.size
+                got, gone = self._take(runs, partial(heappop, runs), take)
                 self._in_runs[lv] -= gone
             else:
                 fifo = self._fifo[lv]
-                gone = 0
-                while want:  # the oldest push's blocks, push by push
-                    run_tags, run = fifo[0]
-                    ok = tags[run] == run_tags
-                    kept = run[ok]
-                    if kept.size > want:
-                        fifo[0] = (run_tags[ok][want:], kept[want:])
-                        gone += want + run.size - kept.size
-                        kept = kept[:want]
-                    else:
-                        fifo.popleft()
-                        gone += run.size
-                    tags[kept] = 0
-                    out += kept.tolist()
-                    want -= kept.size
+                got, gone = self._take(fifo, fifo.popleft, take)
                 self._in_fifo[lv] -= gone
+            out += got
             live[lv] -= take
             self._size -= take
             if not live[lv]:
@@ -266,24 +246,26 @@ class LRU2Policy:
     def _push_ranked(self, blocks: list[BlockId], ranks: np.ndarray, priority: int) -> None:
         """Queue `blocks` with `ranks` (non-decreasing: the rank-0 blocks come first)."""
         n = len(blocks)
-        run = np.array(blocks, np.int64)
+        run = np.fromiter(blocks, np.int64, n)
         assert not self._tags[run].any(), "block already in the free queue"
         o = self._pushed
         self._pushed = o + n
-        run_tags = np.arange(((o + 1) << _LEVEL_BITS) | priority,
-                             ((o + n + 1) << _LEVEL_BITS), 1 << _LEVEL_BITS, np.int64)
+        run_tags = np.arange(((o + 1) << _LEVEL_BITS) | priority, (o + n + 1) << _LEVEL_BITS,
+                             1 << _LEVEL_BITS, np.int64)
         self._tags[run] = run_tags
         self._ranks[run] = ranks
-        self._fifo[priority].append((run_tags, run))
+        self._fifo[priority].append((0, run_tags, run))
         self._in_fifo[priority] += n
         heap = self._runs[priority]
-        first, last = int(ranks[0]), int(ranks[-1])
+        first_tag = ((o + 1) << _LEVEL_BITS) | priority
+        first, last = ranks[[0, -1]].tolist()
         if first == last:
-            heappush(heap, ((first << _KEY_SHIFT) | int(run_tags[0]), run_tags, run))
+            heappush(heap, ((first << _KEY_SHIFT) | first_tag, run_tags, run))
         else:  # one run per rank
-            cuts = [0, *((ranks[1:] != ranks[:-1]).nonzero()[0] + 1).tolist(), n]
-            for i, j in zip(cuts, cuts[1:]):
-                heappush(heap, ((int(ranks[i]) << _KEY_SHIFT) | int(run_tags[i]),
+            cuts = ((ranks[1:] != ranks[:-1]).nonzero()[0] + _ONE).tolist()
+            cuts.insert(0, 0)
+            for i, j, r in zip(cuts, [*cuts[1:], n], ranks[cuts].tolist()):
+                heappush(heap, ((r << _KEY_SHIFT) | (first_tag + (i << _LEVEL_BITS)),
                                 run_tags[i:j], run[i:j]))
         self._in_runs[priority] += n
         self._size += n
@@ -294,14 +276,51 @@ class LRU2Policy:
         if self._in_runs[priority] > 2 * live + 64:
             self._compact_runs(priority)
 
+    def _take(self, queue, pop, want: int) -> tuple[list[BlockId], int]:
+        """The first `want` live blocks of `queue` (entries `(key, tags, blocks)`, the front at
+        `[0]`, taken off by `pop`; it holds at least `want` live blocks), off the queue, and
+        how many entries that consumed."""
+        tags = self._tags
+        out: list[BlockId] = []
+        gone = 0
+        while want:
+            key, run_tags, run = queue[0]
+            if run.size <= want:  # whole entries while they fit (so do their live blocks)
+                size = run.size
+                pop()
+                if queue and size + queue[0][2].size <= want:
+                    parts = [(run_tags, run)]
+                    while queue and size + queue[0][2].size <= want:
+                        _, run_tags, run = pop()
+                        parts.append((run_tags, run))
+                        size += run.size
+                    run_tags = np.concatenate([t for t, _ in parts])
+                    run = np.concatenate([b for _, b in parts])
+                kept = run[tags[run] == run_tags]
+                gone += size
+            else:  # the front entry in part
+                ok = tags[run] == run_tags
+                kept = run[ok]
+                if kept.size > want:
+                    queue[0] = (key, run_tags[ok][want:], kept[want:])
+                    gone += want + run.size - kept.size
+                    kept = kept[:want]
+                else:
+                    pop()
+                    gone += run.size
+            tags[kept] = _ZERO
+            out += kept.tolist()
+            want -= kept.size
+        return out, gone
+
     def _compact_fifo(self, lv: int) -> None:
         """Drop the stale entries of level `lv`'s FIFO, leaving one push of its live blocks."""
         fifo = self._fifo[lv]
-        run_tags = np.concatenate([t for t, _ in fifo])
-        run = np.concatenate([b for _, b in fifo])
+        run_tags = np.concatenate([t for _, t, _ in fifo])
+        run = np.concatenate([b for _, _, b in fifo])
         ok = self._tags[run] == run_tags
         fifo.clear()
-        fifo.append((run_tags[ok], run[ok]))
+        fifo.append((0, run_tags[ok], run[ok]))
         self._in_fifo[lv] = self._live[lv]
 
     def _compact_runs(self, lv: int) -> None:
@@ -405,7 +424,7 @@ class LRU2Policy:
             live = sorted(b for b in queued if tag[b] & _LEVEL_MASK == lv)
             assert len(live) == self._live[lv] and bool(live) == bool(self._nonempty >> lv & 1)
             # Each order holds every live block once, under its current tag.
-            fifo = [(t, b) for ts, bs in self._fifo[lv]
+            fifo = [(t, b) for _, ts, bs in self._fifo[lv]
                     for t, b in zip(ts.tolist(), bs.tolist())]
             assert len(fifo) == self._in_fifo[lv] and fifo == sorted(fifo, key=lambda e: e[0])
             assert sorted(b for t, b in fifo if tag[b] == t) == live

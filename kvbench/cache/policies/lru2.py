@@ -66,7 +66,7 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import KeyHistory, record_key
+from .base import TICK_SHIFT, KeyHistory, chain_keys
 
 _LEVEL_BITS = 7
 _LEVEL_MASK = (1 << _LEVEL_BITS) - 1
@@ -79,7 +79,6 @@ structured ints (hash id and offset), so their low bits alone would sample uneve
 # scalar operand on every call, which costs more than the call on a short array.
 _ZERO = np.array(0, np.int64)
 _ONE = np.array(1, np.int64)
-_TICK_SHIFT = np.array(8, np.int64)
 
 assert NUM_PRIORITY_LEVELS <= 1 << _LEVEL_BITS
 
@@ -169,13 +168,10 @@ class LRU2Policy:
         # Shallowest first, as the sequence touched them (one tick each); keys in a chain are
         # distinct, so every earlier use is read before this release writes its own. The rank
         # is the earlier use's tick (0: none), capped at the parent's: a running minimum.
-        stored = self.index.stored
-        partial = stored[blocks[0]][0] is None  # the deepest block may be partial (no key)
-        known = np.fromiter(map(record_key, map(stored.__getitem__, reversed(blocks))),
-                            np.int64, n - partial) if n > partial else np.empty(0, np.int64)
+        known, _ = chain_keys(self.index, blocks)  # the deepest block may be partial
         slots, earlier = hist.find(known)
         ticks = np.zeros(n, np.int64)  # 0: none (and for a partial block)
-        np.right_shift(earlier, _TICK_SHIFT, out=ticks[:known.size])
+        np.right_shift(earlier, TICK_SHIFT, out=ticks[:known.size])
         capped = np.minimum.accumulate(ticks)
         hist.clock = clock + n
         hist.store(known, slots, np.arange((clock + 1) << 8, (clock + known.size + 1) << 8,

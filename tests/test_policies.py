@@ -351,7 +351,7 @@ class LoggedQueue:
         out = self.inner.pop_front_many(n)
         tpb = self.m.tpb
         for b in out:
-            _, _, held, src, pos, _ = self.m.index.stored[b]
+            _, _, held, src, pos = self.m.index.stored[b][:5]
             self.log.append(tuple(src.prompt_tokens(0, pos * tpb + held).tolist()))
         return out
 

@@ -6,24 +6,24 @@ prompt walks its keys from the root and stops at the first miss. A block whose p
 evicted stays indexed: it cannot be reached until the parent's prefix is stored again, and then
 its data is valid again (the key chains the prefix), so dropping it would only lose reuse.
 
-Partial reuse needs the children of a node, filed by first token: a partial match needs at least
-its first token equal, so only blocks under the same node with the same first token are compared
-token by token, and a node shared by thousands of conversations (a system prompt) costs one
-lookup, not a scan of its children. Most children are the next block of the chain that stored
-their parent, so they are not filed at all: a full block's record names the block that followed
-it in its sequence (`_NEXT`), and the children of a node are that block, when it is still stored
-below the node (its key's holder in `by_key`), plus the ones in `kids`. `kids` files the rest:
-the first block of each stored run (its parent came from another sequence), a chain whose
-previous key was held by another block, a moved block, and an orphan (a block whose parent's
-holder is removed while it stays stored: its holder comes back under a new record). Invariant:
-every stored block is its parent key's holder's `_NEXT` or filed in `kids`.
-`kids[parent_key]` is one block id (most filed nodes have one child) or a dict `first_token ->
+Partial reuse needs the children of a node with a given first token: a partial match needs at
+least its first token equal, so only those are compared token by token, and a node shared by
+thousands of conversations (a system prompt) costs one lookup, not a scan of its children.
+Most children are the next block of the sequence that stored their parent, so they are not
+filed anywhere: a stored block's record names the block after it in that sequence (`_NEXT`),
+and a node's children are its key's holder's next block, while that one is stored below the
+node, plus the blocks filed in `kids`. `kids` files the rest: the first block of each stored
+run (its parent came from another sequence or an earlier run), a block after a key another
+block held, a moved block, and an orphan (a block still stored when its parent's holder is
+removed: the next holder names another block). Invariant: every stored block is its parent
+key's holder's next block or is filed in `kids` under its parent and first token.
+`kids[parent_key]` is one block id (a node with one filed child) or a dict `first_token ->
 block id | [block ids]`. Entries are removed lazily: a reader takes an entry only while its block
 is still stored there (`_is_kid`), and the map is rebuilt from the stored blocks when stale
-entries pile up, so its size stays O(blocks). Equally good partial matches are taken in the
-order their blocks were stored (`_STAMP`), whichever way they were found.
-Filing every block in a map cost more than the rest of the replay: a store per block into a
-map many times the cache's size (cache misses), and a scan of its stale entries.
+entries pile up, so its size stays O(blocks). Equally long partial matches are taken in the
+order their blocks were stored (`_order`), however they were found.
+Filing every stored block cost more than the rest of the replay: millions of stores into a map
+several times the cache's size (cache misses) and a check of each stale entry they met.
 """
 
 from __future__ import annotations
@@ -42,13 +42,17 @@ if TYPE_CHECKING:
 # one pass over the blocks, so it runs about once per this many rounds of the whole cache.
 _REBUILD_FACTOR = 8
 
-# Fields of a stored block's record; with partial reuse also `_NEXT` and `_STAMP`.
-_KEY, _PARENT, _NTOK, _SOURCE, _POSITION, _FIRST, _NEXT, _STAMP = range(8)
+# Fields of a stored block's record; `_NEXT` and `_STAMP` only with partial reuse.
+_KEY, _PARENT, _NTOK, _SOURCE, _POSITION, _NEXT, _STAMP = range(7)
 _Record = tuple
-"""(key | None, parent key, tokens held, source request, position, first token[, next block,
-stamp]): `next block` is the block after it in the sequence that stored it (-1: none; a hint
-that holds while that block is stored below this key), `stamp` counts the stores (the order of
-equally good partial matches)."""
+"""(key | None, parent key, tokens held, source request, position[, next block, stamp]).
+`next block`: the block after it in the sequence that stored it (NO_NEXT: none), its child
+while stored below its key. `stamp`: the store that stored it (one for a run of blocks, which
+`position` orders), so (stamp, position) orders the stores. The first token is not kept: it is
+read from the source when a block is filed or compared, which few are."""
+
+NO_NEXT = BlockId(-1)
+"""`_NEXT` of a block no block follows (a partial block, the end of a sequence)."""
 
 _ByFirst = dict[int, "BlockId | list[BlockId]"]
 _Kids = dict[BlockKey, "BlockId | _ByFirst"]
@@ -58,11 +62,12 @@ class PrefixIndex:
     """Keys and token sources of the stored blocks of one life cycle (all tiers).
 
     What a stored block holds is one immutable record, `stored[b] = (key, parent key, tokens,
-    source request, position, first token)` (key None for a partial block; the record None for
-    a block that stores nothing; with `track_children` two more fields, `_NEXT` and `_STAMP`).
-    One record rather than an array per field: a store is one tuple, and an offload or onboard
-    (millions in a replay with a host tier) moves the record to the new block instead of
-    copying its fields."""
+    source request, position)` (key None for a partial block; the record None for a block that
+    stores nothing; with `track_children` two more fields, `_NEXT` and `_STAMP`). One record
+    rather than an array per field: a store is one tuple, and an offload or onboard (millions
+    in a replay with a host tier) moves the record to the new block instead of copying its
+    fields. Records hold few distinct objects: creating and freeing one per stored block
+    touches each of them."""
 
     __slots__ = ("tpb", "by_key", "kids", "stored", "_rebuild_at", "_stamp")
 
@@ -71,9 +76,11 @@ class PrefixIndex:
         self.by_key: dict[BlockKey, BlockId] = {}
         self.kids: _Kids | None = {} if track_children else None
         self._rebuild_at = _REBUILD_FACTOR * id_space + 1024
-        self.stored: list[_Record | None] = [None] * id_space
+        self.stored: list[_Record | None] = [None] * (id_space + 1)
+        """Indexed by block id; the extra last entry stays None, so `stored[NO_NEXT]` (and
+        `stored[NO_BLOCK]`: both -1) reads as a block that stores nothing."""
         self._stamp = 0
-        """Stores so far (the next record's `_STAMP`)."""
+        """Stores so far (the next store's `_STAMP`)."""
 
     # --- public API -----------------------------------------------------------------------
 
@@ -110,7 +117,7 @@ class PrefixIndex:
         assert self.kids is not None, "partial matching needs track_children"
         if limit <= 0:
             return None
-        candidates = self._kids_of(parent_key, request.first_tokens(self.tpb)[position])
+        candidates = self._kids_of(parent_key, request.first_token(self.tpb, position))
         if not candidates:
             return None
         tpb = self.tpb
@@ -162,31 +169,28 @@ class PrefixIndex:
                 if key not in by_key:
                     b = blocks[i]
                     by_key[key] = b
-                    stored[b] = (key, parent_key, tpb, request, i, 0)
+                    stored[b] = (key, parent_key, tpb, request, i)
                 parent_key = key
             return
-        firsts = request.first_tokens(tpb)
+        # The block after the run, if any, is its last block's next (NO_BLOCK reads as none).
         nexts = blocks[begin + 1:end + 1]
         if len(nexts) < end - begin:
-            nexts.append(-1)
-        stamp = self._stamp - begin
-        self._stamp += end - begin
-        # The first block is its parent's holder's next one when an earlier store of this
-        # sequence left off there; after a key held by another block the next one is not.
-        filed = self._next_of(parent_key) == blocks[begin]
-        for i in range(begin, end):
-            key = keys[i]
+            nexts.append(NO_NEXT)
+        stamp = self._stamp
+        self._stamp += 1
+        known, root = len(by_key), parent_key
+        for i, key, b, nxt in zip(range(begin, end), keys[begin:end], blocks[begin:end], nexts):
             if key not in by_key:
-                b = blocks[i]
                 by_key[key] = b
-                stored[b] = (key, parent_key, tpb, request, i, firsts[i], nexts[i - begin],
-                             stamp + i)
-                if not filed:
-                    self._add_kid(parent_key, firsts[i], b)
-                filed = True
-            else:
-                filed = False
+                stored[b] = (key, parent_key, tpb, request, i, nxt, stamp)
             parent_key = key
+        # Filed in `kids`: each stored block its parent's holder does not name. Only the
+        # first one, unless a key was held by another block (then the one after it too).
+        for i in range(begin, end) if len(by_key) - known < end - begin else (begin,):
+            b = blocks[i]
+            parent_key = keys[i - 1] if i > begin else root
+            if by_key[keys[i]] == b and self._next_of(parent_key) != b:
+                self._add_kid(parent_key, request.first_token(tpb, i), b)
         if len(kids) > self._rebuild_at:
             self._rebuild_kids()
 
@@ -195,12 +199,11 @@ class PrefixIndex:
     ) -> None:
         """Store an unfilled block (no key) for partial matching."""
         assert self.kids is not None
-        first = request.first_tokens(self.tpb)[position]
-        self.stored[block] = (None, parent_key, num_tokens, request, position, first, -1,
+        self.stored[block] = (None, parent_key, num_tokens, request, position, NO_NEXT,
                               self._stamp)
         self._stamp += 1
         if self._next_of(parent_key) != block:
-            self._add_kid(parent_key, first, block)
+            self._add_kid(parent_key, request.first_token(self.tpb, position), block)
         if len(self.kids) > self._rebuild_at:
             self._rebuild_kids()
 
@@ -229,7 +232,7 @@ class PrefixIndex:
             if key is not None:
                 by_key[key] = dst  # its children still follow its `_NEXT`
             if kids is not None and self._next_of(rec[_PARENT]) != dst:
-                self._add_kid(rec[_PARENT], rec[_FIRST], dst)
+                self._add_kid(rec[_PARENT], self._first_of(dst), dst)
         if kids is not None and len(self.kids) > self._rebuild_at:
             self._rebuild_kids()
 
@@ -248,25 +251,32 @@ class PrefixIndex:
         for b in blocks:
             rec = stored[b]
             stored[b] = None  # any `kids` entry for it is now stale
-            key = rec[_KEY]
+            key = rec[0]  # _KEY (literal indices: this loop runs per evicted block)
             if key is not None:
                 del by_key[key]
-                # Its next block is found through it only while it holds the key.
-                kid = stored[rec[_NEXT]] if rec[_NEXT] >= 0 else None
-                if kid is not None and kid[_PARENT] == key:
-                    self._add_kid(key, kid[_FIRST], rec[_NEXT])
+                # Its next block, if still stored below it, was found through it: an orphan
+                # now, filed.
+                kid = stored[rec[5]]  # _NEXT
+                if kid is not None and kid[1] == key:  # _PARENT
+                    self._add_kid(key, self._first_of(rec[_NEXT]), rec[_NEXT])
 
     def _is_kid(self, block: BlockId, parent_key: BlockKey) -> bool:
-        rec = self.stored[block] if block >= 0 else None
+        rec = self.stored[block]
         return rec is not None and rec[_PARENT] == parent_key
 
     def _next_of(self, parent_key: BlockKey) -> BlockId:
-        """The `_NEXT` of the block holding `parent_key` (-1 when none holds it)."""
+        """The `_NEXT` of the block holding `parent_key` (NO_NEXT when none holds it)."""
         holder = self.by_key.get(parent_key)
-        return -1 if holder is None else self.stored[holder][_NEXT]
+        return NO_NEXT if holder is None else self.stored[holder][_NEXT]
 
     def _first_of(self, block: BlockId) -> int:
-        return self.stored[block][_FIRST]
+        rec = self.stored[block]
+        return rec[_SOURCE].first_token(self.tpb, rec[_POSITION])
+
+    def _order(self, block: BlockId) -> tuple[int, int]:
+        """When a stored block was stored: (the store's stamp, its position in the run)."""
+        rec = self.stored[block]
+        return rec[_STAMP], rec[_POSITION]
 
     def _kids_of(self, parent_key: BlockKey, first: int) -> list[BlockId]:
         """The stored children of `parent_key` with first token `first`, oldest store first."""
@@ -278,18 +288,19 @@ class PrefixIndex:
                 out = [b for b in (found if isinstance(found, list) else (found,))
                        if self._is_kid(b, parent_key) and self._first_of(b) == first]
         nxt = self._next_of(parent_key)
-        if self._is_kid(nxt, parent_key) and self._first_of(nxt) == first and nxt not in out:
+        if self._is_kid(nxt, parent_key) and nxt not in out and self._first_of(nxt) == first:
             out.append(nxt)
         if len(out) > 1:
-            stored = self.stored
-            out.sort(key=lambda b: stored[b][_STAMP])
+            out.sort(key=self._order)
         return out
 
     def _add_kid(self, parent_key: BlockKey, first: int, block: BlockId) -> None:
+        """File stored `block` (first token `first`) in `kids` under `parent_key`, dropping the
+        stale entries it meets there."""
         kids = self.kids
         entry = kids.get(parent_key)
         # `block` may already be filed here from an earlier store (stale, but live again now
-        # that it is stored): it is filed once, last, or a block stored again and again at one
+        # that it is stored): it is filed once, or a block stored again and again at one
         # place (a partially claimed block refilled) would pile up in the list.
         if entry is None or (not isinstance(entry, dict)
                              and (entry == block or not self._is_kid(entry, parent_key))):
@@ -309,41 +320,28 @@ class PrefixIndex:
     def _rebuild_kids(self) -> None:
         """Drop stale entries: refile every stored block its parent's holder does not name."""
         self.kids = {}
-        for b, rec in enumerate(self.stored):
+        for b, rec in enumerate(self.stored[:-1]):
             if rec is not None and self._next_of(rec[_PARENT]) != b:
-                self._file_kid(b)
+                self._add_kid(rec[_PARENT], self._first_of(b), b)
         self._rebuild_at = _REBUILD_FACTOR * max(len(self.stored), len(self.kids)) + 1024
-
-    def _file_kid(self, b: BlockId) -> None:
-        rec = self.stored[b]
-        parent_key, first = rec[_PARENT], rec[_FIRST]
-        entry = self.kids.get(parent_key)
-        if entry is None:
-            self.kids[parent_key] = b
-            return
-        if not isinstance(entry, dict):
-            entry = self.kids[parent_key] = {self._first_of(entry): entry}
-        found = entry.get(first)
-        if found is None:
-            entry[first] = b
-        elif isinstance(found, list):
-            found.append(b)
-        else:
-            entry[first] = [found, b]
 
     def _check_sanity(self) -> bool:
         for key, b in self.by_key.items():
             assert self.key_of(b) == key
-        for b, rec in enumerate(self.stored):
+        assert self.stored[-1] is None
+        orders = set()
+        for b, rec in enumerate(self.stored[:-1]):
             if rec is None:
                 continue
-            key, parent, held, src, pos, first = rec[:_NEXT]
+            key, parent, held, src, pos = rec[:_NEXT]
             assert key is None or self.by_key[key] == b
             assert 0 < held <= self.tpb and (key is None or held == self.tpb)
             if self.kids is not None:
-                # Every stored block is findable under its parent and first token.
+                # Every stored block is findable under its parent and first token, once.
+                first = self._first_of(b)
+                assert first == src.first_tokens(self.tpb)[pos]
                 assert self._kids_of(parent, first).count(b) == 1
-                assert src.first_tokens(self.tpb)[pos] == first
-                assert len(rec) == 8 and (key is not None or rec[_NEXT] == -1)
-                assert rec[_STAMP] < self._stamp
+                assert key is not None or rec[_NEXT] == NO_NEXT
+                assert rec[_STAMP] < self._stamp and self._order(b) not in orders
+                orders.add(self._order(b))
         return True

@@ -124,6 +124,15 @@ class Request:
         """`first_tokens` as an int64 array, computed afresh (for vectorised references)."""
         return self.tokens_at(np.arange(0, self.input_length, tokens_per_block, dtype=np.int64))
 
+    def first_token(self, tokens_per_block: int, block: int) -> int:
+        """`first_tokens(tokens_per_block)[block]` without building the list (the cache reads
+        a few blocks' first tokens per request)."""
+        pos = block * tokens_per_block
+        if self.tokens is not None:
+            return int(self.tokens[pos])
+        size = self.trace_block_tokens
+        return int(self.hash_ids[pos // size]) * size + pos % size
+
     def tokens_at(self, positions: np.ndarray) -> np.ndarray:
         """Prompt tokens at the given positions (int64 array, each < input_length)."""
         if self.tokens is not None:
@@ -270,6 +279,9 @@ class StreamView:
 
     def first_tokens(self, tokens_per_block: int) -> list[int]:
         return self.request.stream_first_tokens(tokens_per_block)
+
+    def first_token(self, tokens_per_block: int, block: int) -> int:
+        return self.request.stream_first_tokens(tokens_per_block)[block]
 
     def first_tokens_array(self, tokens_per_block: int) -> np.ndarray:
         return np.array(self.request.stream_first_tokens(tokens_per_block), dtype=np.int64)

@@ -55,11 +55,13 @@ of each key's insertion order and a heap of a release's runs of one rank.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from heapq import heapify, heappop, heappush
-from itertools import groupby, islice, repeat
+from itertools import compress, islice, repeat
+from operator import eq
 
 import numpy as np
 
@@ -346,49 +348,52 @@ class LRU2Policy:
         lru, lru2 = self._shadow_lru, self._shadow_lru2
         cap = self._shadow_cap
         # LRU: a key used again moves last (keys in a chain are distinct: each once).
-        held = sum(map(lru.__contains__, keys))
+        held = list(compress(keys, map(lru.__contains__, keys)))
         if held:
-            hits[0] += held
-            for k in keys:
-                lru.pop(k, None)
+            hits[0] += len(held)
+            for k in held:
+                del lru[k]
         lru.update(zip(keys, repeat(None)))
         over = len(lru) - cap
         if over > 0:
             for k in list(islice(lru, over)):
                 del lru[k]
-        # LRU-2: entries in (rank, insertion order); a key used again has a new live entry.
-        hits[1] += sum(map(lru2.__contains__, keys))
+        # LRU-2: entries in (rank, insertion order); a key used again has a new live entry
+        # (its old one goes stale), so the keys it held already are those it does not add.
+        n = len(keys)
+        before = len(lru2)
         order = self._shadow_order
-        self._shadow_order = order + len(keys)
-        lru2.update(zip(keys, range(order + 1, order + len(keys) + 1)))
+        self._shadow_order = order + n
+        lru2.update(zip(keys, range(order + 1, order + n + 1)))
+        hits[1] += before + n - len(lru2)
         heap = self._shadow_runs
         i = 0
-        for r, same in groupby(ranks):
-            j = i + len(list(same))
+        while i < n:  # runs of one rank (ranks do not decrease)
+            r = ranks[i]
+            j = n if ranks[-1] == r else bisect_right(ranks, r, i)
             first = order + 1 + i
             heappush(heap, [(r << _KEY_SHIFT) | first, range(first, order + 1 + j),
                             keys[i:j], 0])
             i = j
-        self._in_shadow_runs += len(keys)
+        entries = self._in_shadow_runs + n
         over = len(lru2) - cap
         get = lru2.get
-        while over > 0:  # the front run's keys that are still live, in order
+        while over > 0:  # the front run's keys still live there, `over` entries at a time
             run = heap[0]
             _, orders, run_keys, k = run
-            end = len(run_keys)
-            start = k
-            while k < end and over:
-                key = run_keys[k]
-                if get(key) == orders[k]:
-                    del lru2[key]
-                    over -= 1
-                k += 1
-            self._in_shadow_runs -= k - start
-            if k == end:
+            end = min(len(run_keys), k + over)
+            part = run_keys[k:end]
+            live = list(compress(part, map(eq, map(get, part), orders[k:end])))
+            for key in live:
+                del lru2[key]
+            over -= len(live)
+            entries -= end - k
+            if end == len(run_keys):
                 heappop(heap)
             else:
-                run[3] = k
-        if self._in_shadow_runs > 2 * len(lru2) + 64:
+                run[3] = end
+        self._in_shadow_runs = entries
+        if entries > 4 * len(lru2) + 256:
             self._compact_shadow()
 
     def _compact_shadow(self) -> None:

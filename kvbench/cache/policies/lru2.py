@@ -45,8 +45,8 @@ key orders whole runs: the victims are the front run's blocks in order, checked 
 time against the tags (a claimed, requeued or evicted block's tag changed: its old entries are
 skipped when they surface), and a heap operation is paid per run, not per block (the running
 minimum gives a release's chain few distinct ranks). A structure holding more than twice its
-level's live blocks drops its stale entries (amortised O(1) per push); the FIFO is compacted
-into one array, so it stays a few arrays long while LRU-2 leads and never pops it.
+level's live blocks (the FIFO: four times) drops its stale entries (amortised O(1) per push);
+the FIFO is compacted into one array, so it stays short while LRU-2 leads and never pops it.
 
 The shadows are kept the same way: the LRU shadow a dict in use order, the LRU-2 shadow a dict
 of each key's insertion order and a heap of a release's runs of one rank.
@@ -256,7 +256,7 @@ class LRU2Policy:
         self._in_fifo[priority] += n
         heap = self._runs[priority]
         first_tag = ((o + 1) << _LEVEL_BITS) | priority
-        first, last = ranks[[0, -1]].tolist()
+        first, last = ranks.item(0), ranks.item(-1)
         if first == last:
             heappush(heap, ((first << _KEY_SHIFT) | first_tag, run_tags, run))
         else:  # one run per rank
@@ -269,7 +269,7 @@ class LRU2Policy:
         self._size += n
         live = self._live[priority] = self._live[priority] + n
         self._nonempty |= 1 << priority
-        if self._in_fifo[priority] > 2 * live + 64:
+        if self._in_fifo[priority] > 4 * live + 256:
             self._compact_fifo(priority)
         if self._in_runs[priority] > 2 * live + 64:
             self._compact_runs(priority)

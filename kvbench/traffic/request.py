@@ -78,7 +78,9 @@ class Request:
     """Key of the empty prefix: the namespace's salt, so namespaces never share blocks."""
     _keys: dict[int, list[int]] = field(default_factory=dict, repr=False)
     _firsts: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _key_arrays: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _stream_keys: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _stream_key_arrays: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     _stream_firsts: dict[int, list[int]] = field(default_factory=dict, repr=False)
     _retentions: dict[int, list[tuple[int, float | None]]] = field(default_factory=dict,
                                                                   repr=False)
@@ -100,6 +102,15 @@ class Request:
         if keys is None:
             keys = self._compute_keys(tokens_per_block)
             self._keys[tokens_per_block] = keys
+        return keys
+
+    def block_keys_array(self, tokens_per_block: int) -> np.ndarray:
+        """`block_keys` as an int64 array, cached per block size (an eviction policy reads a
+        released chain's keys as one slice of it)."""
+        keys = self._key_arrays.get(tokens_per_block)
+        if keys is None:
+            keys = np.array(self.block_keys(tokens_per_block), np.int64)
+            self._key_arrays[tokens_per_block] = keys
         return keys
 
     def block_retentions(self, tokens_per_block: int) -> list[tuple[int, float | None]]:
@@ -143,8 +154,10 @@ class Request:
     def drop_keys(self) -> None:
         """Forget cached keys (a long replay streams requests and frees them as it goes)."""
         self._keys.clear()
+        self._key_arrays.clear()
         self._firsts.clear()
         self._stream_keys.clear()
+        self._stream_key_arrays.clear()
         self._stream_firsts.clear()
 
     def prompt_tokens(self, start: int = 0, end: int | None = None) -> np.ndarray:
@@ -192,6 +205,14 @@ class Request:
             self._stream_keys[tpb] = keys
         return keys
 
+    def stream_keys_array(self, tokens_per_block: int) -> np.ndarray:
+        """`stream_keys` as an int64 array, cached per block size."""
+        keys = self._stream_key_arrays.get(tokens_per_block)
+        if keys is None:
+            keys = np.array(self.stream_keys(tokens_per_block), np.int64)
+            self._stream_key_arrays[tokens_per_block] = keys
+        return keys
+
     def stream_first_tokens(self, tokens_per_block: int) -> list[int]:
         """The first token of every stream block (the last may be partial), cached per block
         size; the first `ceil(input_length / tokens_per_block)` are `first_tokens`."""
@@ -222,10 +243,11 @@ class Request:
         if self.hash_ids is not None:
             ends = np.arange(1, n_full + 1, dtype=np.int64) * tpb
             ids = self.hash_ids[(ends - 1) // self.trace_block_tokens]
-            keys = ((ids << _END_BITS) | ends).tolist()
+            keys = (ids << _END_BITS) | ends
             if salt:
-                keys = [hash((salt, k)) for k in keys]
-            return keys
+                return [hash((salt, k)) for k in keys.tolist()]
+            self._key_arrays[tpb] = keys  # made anyway: cached for `block_keys_array`
+            return keys.tolist()
         keys = []
         parent = salt
         toks = self.tokens
@@ -276,6 +298,9 @@ class StreamView:
 
     def block_keys(self, tokens_per_block: int) -> list[int]:
         return self.request.stream_keys(tokens_per_block)
+
+    def block_keys_array(self, tokens_per_block: int) -> np.ndarray:
+        return self.request.stream_keys_array(tokens_per_block)
 
     def first_tokens(self, tokens_per_block: int) -> list[int]:
         return self.request.stream_first_tokens(tokens_per_block)

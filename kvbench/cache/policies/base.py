@@ -56,9 +56,10 @@ def chain_keys(index: PrefixIndex, blocks: list[BlockId]) -> tuple[np.ndarray, b
     """The keys of a release's full `blocks` (one sequence's, deepest first), shallowest
     first as the sequence touched them, and whether the deepest is a partial block (no key).
 
-    A release is mostly one run of positions, whose keys are a slice of the key list of the
+    A release is mostly one run of positions, whose keys are a slice of the keys of the
     request that stored its deepest block (keys chain the prefix, so that request's keys
-    below it are the run's): one list slice instead of a record lookup per block."""
+    below it are the run's): one array slice instead of a record lookup and an int
+    conversion per block."""
     stored = index.stored
     partial = stored[blocks[0]][_KEY] is None
     n = len(blocks) - partial
@@ -66,9 +67,9 @@ def chain_keys(index: PrefixIndex, blocks: list[BlockId]) -> tuple[np.ndarray, b
         deepest = stored[blocks[partial]]
         end = deepest[_POSITION] + 1
         if stored[blocks[-1]][_POSITION] == end - n:  # positions fall one by one
-            keys = deepest[_SOURCE].block_keys(index.tpb)
+            keys = deepest[_SOURCE].block_keys_array(index.tpb)
             assert keys[end - 1] == deepest[_KEY]
-            return np.array(keys[end - n:end], np.int64), partial
+            return keys[end - n:end], partial
     chain = blocks[:0:-1] if partial else blocks[::-1]
     return np.fromiter(map(record_key, map(stored.__getitem__, chain)), np.int64,
                        len(chain)), partial

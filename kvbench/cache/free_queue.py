@@ -75,17 +75,17 @@ class FreeQueue:
             return
         s = self._sentinel0 + fifo
         nxt, prv, level = self._next, self._prev, self._level
+        # A block queued twice would corrupt the links: `_check_sanity` catches it (an assert
+        # here would cost a check per block on the hottest loop).
         last = prv[s]
         if stamps is None:
             for b in blocks:
-                assert level[b] == _NONE, "block already in the free queue"
                 nxt[last] = b
                 prv[b] = last
                 level[b] = fifo
                 last = b
         else:
             for b in blocks:
-                assert level[b] == _NONE, "block already in the free queue"
                 nxt[last] = b
                 prv[b] = last
                 level[b] = fifo

@@ -25,9 +25,10 @@ from operator import itemgetter
 
 import numpy as np
 
-from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
+from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId, BlockKey
 from ..radix import _KEY, _POSITION, _SOURCE, PrefixIndex
+from .run_queue import RunQueue
 
 
 _NO_BOUND = 1 << 62
@@ -310,24 +311,21 @@ class ClassQueuePolicy:
     estimates), but never the order inside a class. The victim is the head with the lowest
     score among the classes at the lowest priority level (ties: the lower class). So every
     operation is O(1), or O(classes) per run of victims taken from one class. The FIFOs are
-    one `FreeQueue` with a class per policy class, which writes a run's links, FIFO and
-    stamp in one pass.
+    one `RunQueue` (a FIFO per level and class), which keeps each run with its stamp.
 
     A release pushes its deepest block first, and a subclass caps each block's class at its
     parent's, so inside a class the deeper block leaves first, and across classes a child
     outranks its parent only if a lower class can score higher than a higher one at the same
     stamp (subclasses keep head scores monotone in the class)."""
 
-    __slots__ = ("index", "capacity", "num_classes", "queue", "stamp")
+    __slots__ = ("index", "capacity", "num_classes", "queue")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  num_classes: int) -> None:
         self.index = index
         self.capacity = capacity
         self.num_classes = num_classes
-        self.queue = FreeQueue(id_space, num_classes)
-        self.stamp = [0] * id_space
-        """The stamp of the release that queued the block."""
+        self.queue = RunQueue(id_space, NUM_PRIORITY_LEVELS * num_classes)
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -342,14 +340,14 @@ class ClassQueuePolicy:
         if not blocks:
             return
         cuts, stamp = self._classify(blocks)
-        push, stamps = self.queue.push_run, self.stamp
+        push = self.queue.push_run
         q0 = priority * self.num_classes
         # A chain's classes only fall away from its root, so the release is a few runs of
         # one class each; `blocks` come deepest first, so its runs are the cuts reversed.
         n = len(blocks)
         end = n
         for pos, c in reversed(cuts):
-            push(blocks[n - end:n - pos] if pos or end < n else blocks, q0 + c, stamps, stamp)
+            push(blocks[n - end:n - pos] if pos or end < n else blocks, q0 + c, stamp)
             end = pos
 
     def remove(self, block: BlockId) -> None:
@@ -360,11 +358,11 @@ class ClassQueuePolicy:
         q = self.queue
         c = q.fifo_of(block) % self.num_classes
         q.remove(block)
-        q.push_run([block], priority * self.num_classes + c, self.stamp, self._now())
+        q.push_run([block], priority * self.num_classes + c, self._now())
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
-        queue, stamps = self.queue, self.stamp
+        queue = self.queue
         classes = self.num_classes
         every = (1 << classes) - 1
         while len(out) < n and len(queue):
@@ -375,8 +373,7 @@ class ClassQueuePolicy:
             c = low - q0
             if live_mask & (live_mask - 1):  # several classes at this level
                 live = [k for k in range(c, classes) if live_mask >> k & 1]
-                scores = self._head_scores(
-                    live, [stamps[b] for b in queue.heads([q0 + k for k in live])])
+                scores = self._head_scores(live, queue.head_stamps([q0 + k for k in live]))
                 best = min(range(len(live)), key=scores.__getitem__)  # ties: the lower class
                 c = live[best]
                 # The run of c's heads that still beat every other class's head: a lower
@@ -384,11 +381,10 @@ class ClassQueuePolicy:
                 # less than s is at most s - 1); the lowest such bound holds for all.
                 bounds = [score - (k < c) for k, score in zip(live, scores)]
                 bounds[best] = _NO_BOUND
-                run = queue.pop_upto(q0 + c, n - len(out), stamps,
-                                     self._max_stamp(c, min(bounds)))
+                run = queue.pop_upto(q0 + c, n - len(out), self._max_stamp(c, min(bounds)))
             else:
-                run = queue.pop_upto(low, n - len(out))
-            self._evicted(stamps[run[-1]], c)
+                run = queue.pop_upto(low, n - len(out), _NO_BOUND)
+            self._evicted(queue.last_stamp, c)
             out += run
         return out
 
@@ -398,7 +394,8 @@ class ClassQueuePolicy:
         for q in range(NUM_PRIORITY_LEVELS * self.num_classes):
             level, c = divmod(q, self.num_classes)
             for i, b in enumerate(self.queue.fifo_order(q)):
-                entries.append((level, self._head_scores([c], [self.stamp[b]])[0], c, i, b))
+                entries.append((level, self._head_scores([c], [self.queue.stamp_of(b)])[0], c,
+                                i, b))
         entries.sort()
         return [BlockId(e[4]) for e in entries]
 

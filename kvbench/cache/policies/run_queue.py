@@ -1,0 +1,200 @@
+"""FIFOs of free blocks kept as the runs they were queued in, each run with one stamp.
+
+A class policy (`base.ClassQueuePolicy`) queues a release as a few runs (one per class) and
+takes victims as runs from a FIFO's head while their stamp stays under a bound. A linked list
+(`FreeQueue`) writes four fields per queued block and reads two per victim; here a run is the
+released list itself, a block's only field is the run holding it, and a victim costs a slice
+and one write. A claim takes a block out of the middle of its run in O(1): the run counts its
+blocks still queued, and a run with holes is filtered when its turn comes (a block claimed
+and queued again sits in a newer run; the older one skips it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..ids import BlockId
+
+_BLOCKS, _START, _STAMP, _FIFO, _LIVE = range(5)
+"""A run: [its blocks in queue order (owned, never changed), the position of its first block
+not yet taken, its stamp, its FIFO, how many of blocks[start:] are still queued in it]."""
+
+_SLACK = 64
+"""Dead runs and taken or claimed entries a FIFO may hold beyond twice its blocks before it
+is compacted (amortised O(1) per queued block)."""
+
+
+class RunQueue:
+    """FIFOs `0 .. fifos - 1` of free blocks, each a deque of runs; a block is in at most one.
+
+    Invariants (`_check_sanity`): `where[b]` is the run holding queued block `b` (None
+    otherwise) and `b` sits at or after that run's start; a run's live count is the number of
+    its blocks from its start on whose `where` is the run; `count[q]` is the sum of FIFO q's
+    live counts, and bit q of `nonempty` is set iff `count[q] > 0`; `held[q]` is the number of
+    entries FIFO q's runs hold from their starts on."""
+
+    __slots__ = ("_runs", "_where", "_count", "_held", "_nonempty", "_size", "last_stamp")
+
+    def __init__(self, capacity: int, fifos: int) -> None:
+        self._runs = [deque() for _ in range(fifos)]
+        self._where: list[list | None] = [None] * capacity
+        self._count = [0] * fifos
+        self._held = [0] * fifos
+        self._nonempty = 0
+        self._size = 0
+        self.last_stamp = 0
+        """The stamp of the last block `pop_upto` took."""
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __contains__(self, block: BlockId) -> bool:
+        return self._where[block] is not None
+
+    def push_run(self, blocks: list[BlockId], fifo: int, stamp: int) -> None:
+        """Append `blocks` in order to FIFO `fifo` as one run stamped `stamp` (not below the
+        FIFO's last one). The queue keeps `blocks`: the caller must not change it."""
+        if not blocks:
+            return
+        n = len(blocks)
+        run = [blocks, 0, stamp, fifo, n]
+        where = self._where
+        for b in blocks:
+            where[b] = run
+        self._runs[fifo].append(run)
+        self._count[fifo] += n
+        self._nonempty |= 1 << fifo
+        self._size += n
+        held = self._held[fifo] = self._held[fifo] + n
+        if held > 2 * self._count[fifo] + _SLACK:
+            self._compact(fifo)
+
+    def remove(self, block: BlockId) -> int:
+        """Take `block` out of its run; returns its FIFO."""
+        run = self._where[block]
+        assert run is not None, "block not in the free queue"
+        self._where[block] = None
+        run[_LIVE] -= 1
+        fifo = run[_FIFO]
+        left = self._count[fifo] = self._count[fifo] - 1
+        if not left:
+            self._nonempty &= ~(1 << fifo)
+        self._size -= 1
+        return fifo
+
+    def pop_upto(self, fifo: int, n: int, max_stamp: int) -> list[BlockId]:
+        """Up to `n` blocks from the front of FIFO `fifo` whose stamp is at most `max_stamp`,
+        in order (`last_stamp`: the last one's stamp)."""
+        out: list[BlockId] = []
+        runs, where = self._runs[fifo], self._where
+        held = 0
+        while n and runs:
+            run = runs[0]
+            blocks, start, stamp, _, live = run
+            if not live:  # every block left by a claim
+                runs.popleft()
+                held += len(blocks) - start
+                continue
+            if stamp > max_stamp:
+                break
+            end = len(blocks)
+            if live == end - start:  # no holes: a slice
+                stop = start + n if n < live else end
+                taken = blocks[start:stop] if start or stop < end else blocks
+                live -= len(taken)
+            else:
+                taken = []
+                i = start
+                while i < end and len(taken) < n:
+                    b = blocks[i]
+                    i += 1
+                    if where[b] is run:
+                        taken.append(b)
+                stop = i
+                live -= len(taken)
+                if not live:  # only holes after it
+                    stop = end
+            for b in taken:
+                where[b] = None
+            held += stop - start
+            if stop == end:
+                runs.popleft()
+            else:
+                run[_START] = stop
+                run[_LIVE] = live
+            out += taken
+            n -= len(taken)
+            self.last_stamp = stamp
+        k = len(out)
+        self._held[fifo] -= held
+        left = self._count[fifo] = self._count[fifo] - k
+        if not left:
+            self._nonempty &= ~(1 << fifo)
+        self._size -= k
+        return out
+
+    def head_stamps(self, fifos: list[int]) -> list[int]:
+        """The stamp of the first queued block of each of `fifos` (each must hold one)."""
+        out = []
+        for q in fifos:
+            runs = self._runs[q]
+            while not runs[0][_LIVE]:
+                self._held[q] -= len(runs[0][_BLOCKS]) - runs[0][_START]
+                runs.popleft()
+            out.append(runs[0][_STAMP])
+        return out
+
+    def nonempty_mask(self) -> int:
+        """Bit q set: FIFO q holds a block."""
+        return self._nonempty
+
+    def fifo_of(self, block: BlockId) -> int:
+        """The FIFO holding `block`, -1 if it is not queued."""
+        run = self._where[block]
+        return -1 if run is None else run[_FIFO]
+
+    def stamp_of(self, block: BlockId) -> int:
+        """The stamp of queued `block`'s run."""
+        return self._where[block][_STAMP]
+
+    def fifo_order(self, fifo: int) -> list[BlockId]:
+        """The blocks of FIFO `fifo`, head first (tests and debugging; O(n))."""
+        where = self._where
+        return [BlockId(b) for run in self._runs[fifo] for b in run[_BLOCKS][run[_START]:]
+                if where[b] is run]
+
+    def _compact(self, fifo: int) -> None:
+        """Drop FIFO `fifo`'s dead runs and the taken or claimed entries of the others."""
+        where = self._where
+        runs = deque()
+        for run in self._runs[fifo]:
+            if not run[_LIVE]:
+                continue
+            blocks = run[_BLOCKS]
+            if run[_LIVE] < len(blocks) - run[_START]:
+                run[_BLOCKS] = [b for b in blocks[run[_START]:] if where[b] is run]
+                run[_START] = 0
+            runs.append(run)
+        self._runs[fifo] = runs
+        self._held[fifo] = self._count[fifo]
+
+    def _check_sanity(self) -> bool:
+        queued = 0
+        for q, runs in enumerate(self._runs):
+            live = held = 0
+            last = None
+            for run in runs:
+                blocks, start, stamp, fifo, n = run
+                assert fifo == q and 0 <= start <= len(blocks)
+                assert last is None or stamp >= last
+                last = stamp
+                assert n == sum(self._where[b] is run for b in blocks[start:])
+                live += n
+                held += len(blocks) - start
+            assert live == self._count[q] and held == self._held[q]
+            assert bool(self._nonempty >> q & 1) == (live > 0)
+            queued += live
+        assert queued == self._size == sum(r is not None for r in self._where)
+        for b, run in enumerate(self._where):
+            assert run is None or b in run[_BLOCKS][run[_START]:]
+        return True

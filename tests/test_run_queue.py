@@ -1,0 +1,88 @@
+"""RunQueue (the class policies' FIFOs): the same blocks in the same order as a list per FIFO,
+claims from the middle of runs, compaction, and its invariants after every operation."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbench.cache.policies import run_queue
+from kvbench.cache.policies.run_queue import RunQueue
+
+CAP = 12
+FIFOS = 3
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("push"), st.lists(st.integers(0, CAP - 1), max_size=5, unique=True),
+                  st.integers(0, FIFOS - 1), st.integers(0, 2)),
+        st.tuples(st.just("remove"), st.integers(0, 99)),  # the i-th queued block, cyclically
+        st.tuples(st.just("pop"), st.integers(0, FIFOS - 1), st.integers(0, 6),
+                  st.integers(0, 12)),
+    ),
+    min_size=20,
+    max_size=60,
+)
+
+
+@pytest.mark.parametrize("slack", [run_queue._SLACK, 0])
+def test_matches_a_list_per_fifo(slack, monkeypatch):
+    """Slack 0 compacts a FIFO as soon as it holds more entries than twice its blocks."""
+    monkeypatch.setattr(run_queue, "_SLACK", slack)
+
+    @settings(max_examples=200, derandomize=True, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(ops)
+    def check(operations):
+        q = RunQueue(CAP, FIFOS)
+        model: list[list[tuple[int, int]]] = [[] for _ in range(FIFOS)]  # (block, stamp)
+        clock = [0] * FIFOS
+        for op in operations:
+            queued = {b for fifo in model for b, _ in fifo}
+            if op[0] == "push":
+                _, blocks, fifo, step = op
+                blocks = [b for b in blocks if b not in queued]
+                clock[fifo] += step  # stamps never fall inside a FIFO
+                q.push_run(list(blocks), fifo, clock[fifo])
+                model[fifo] += [(b, clock[fifo]) for b in blocks]
+            elif op[0] == "remove":
+                if not queued:
+                    continue
+                b = sorted(queued)[op[1] % len(queued)]
+                fifo = next(f for f in range(FIFOS) if any(x == b for x, _ in model[f]))
+                assert q.remove(b) == fifo
+                model[fifo] = [(x, s) for x, s in model[fifo] if x != b]
+            else:
+                _, fifo, n, bound = op
+                want = []
+                while model[fifo] and len(want) < n and model[fifo][0][1] <= bound:
+                    want.append(model[fifo].pop(0))
+                assert q.pop_upto(fifo, n, bound) == [b for b, _ in want]
+                if want:
+                    assert q.last_stamp == want[-1][1]
+            assert q._check_sanity()
+            assert len(q) == sum(map(len, model))
+            for fifo in range(FIFOS):
+                assert q.fifo_order(fifo) == [b for b, _ in model[fifo]]
+                assert bool(q.nonempty_mask() >> fifo & 1) == bool(model[fifo])
+                if model[fifo]:
+                    assert q.head_stamps([fifo]) == [model[fifo][0][1]]
+            for b in range(CAP):
+                where = [f for f in range(FIFOS) if any(x == b for x, _ in model[f])]
+                assert q.fifo_of(b) == (where[0] if where else -1)
+                assert (b in q) == bool(where)
+
+    check()
+
+
+def test_a_claimed_block_queued_again_is_skipped_in_its_old_run():
+    q = RunQueue(8, 2)
+    q.push_run([5, 3, 1, 7], 0, 10)
+    q.remove(3)
+    q.push_run([3], 0, 11)  # the same FIFO, a newer run
+    assert q.fifo_order(0) == [5, 1, 7, 3]
+    assert q.pop_upto(0, 2, 10) == [5, 1]
+    assert q.pop_upto(0, 9, 10) == [7]  # 3 is stamped 11
+    assert q.pop_upto(0, 9, 11) == [3] and q.last_stamp == 11
+    assert len(q) == 0 and q.nonempty_mask() == 0 and q._check_sanity()
+    with pytest.raises(AssertionError):
+        q.remove(3)

@@ -677,3 +677,42 @@ def test_lru2_shadows_fall_back_to_lru_when_it_holds_more():
             lru_requests += not logged.inner.use_lru2
         assert (lru_requests > 0) == (sampling > 0)
     assert hits[1] > hits[0]
+
+
+def _hot_and_scans(n):
+    """Three hot prompts, each every ninth request, between one-time prompts: LRU-2 keeps
+    the hot ones (used twice) where LRU lets the scans push them out."""
+    hot = [[5000 + 10 * h + j for j in range(5)] + [9] for h in range(3)]
+    return [hot[i // 3 % 3] if i % 3 == 0 else [100000 + 10 * i + j for j in range(5)] + [9]
+            for i in range(n)]
+
+
+def test_lru2_compaction_at_any_time_changes_no_victim():
+    """LRU-2 keeps its orders and its LRU-2 shadow as lazy structures that drop stale entries
+    when they outgrow their live ones. Compacting all of them after every other request, at
+    three retention levels, through phases where either order leads, gives the reference's
+    victims, and the structures stay sane."""
+    rng = np.random.default_rng(0)
+    prompts = (_sessions(6, 4, 3) + _hot_and_scans(90)) * 2
+    params = LRU2Params(history_ratio=8.0, shadow_sampling=1)
+    m = KVCacheManager(CacheSpec(2, 16, enable_partial_reuse=False, eviction_policy="lru2",
+                                 policy_params=params))
+    m.enable_sanity_tracking()
+    logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
+    policy = logged.inner
+    ref = RefCache(2, 16, "lru2", params)
+    orders = []
+    for i, toks in enumerate(prompts):
+        r = req(toks, int(rng.choice([35, 35, 20, 60])))
+        _replay(m, logged, r)
+        assert logged.log == ref.process(r)
+        logged.log = []
+        orders.append(policy.use_lru2)
+        if i % 2:
+            for level in {20, 35, 60}:
+                if policy._live[level]:
+                    policy._compact_fifo(level)
+                    policy._compact_runs(level)
+            policy._compact_shadow()
+            assert policy._check_sanity()
+    assert sum(a != b for a, b in zip(orders, orders[1:])) >= 3  # both orders led, in turns

@@ -17,7 +17,7 @@ ops = st.lists(
                   st.integers(0, FIFOS - 1), st.integers(0, 2)),
         st.tuples(st.just("remove"), st.integers(0, 99)),  # the i-th queued block, cyclically
         st.tuples(st.just("pop"), st.integers(0, FIFOS - 1), st.integers(0, 6),
-                  st.integers(0, 12)),
+                  st.integers(0, 4), st.integers(0, 12), st.booleans()),
     ),
     min_size=20,
     max_size=60,
@@ -41,9 +41,9 @@ def test_matches_a_list_per_fifo(slack, monkeypatch):
             if op[0] == "push":
                 _, blocks, fifo, step = op
                 blocks = [b for b in blocks if b not in queued]
-                clock[fifo] += step  # stamps never fall inside a FIFO
-                q.push_run(list(blocks), fifo, clock[fifo])
-                model[fifo] += [(b, clock[fifo]) for b in blocks]
+                clock[fifo] += step
+                q.push_run(list(blocks), fifo, clock[fifo] % 5)  # stamps in any order
+                model[fifo] += [(b, clock[fifo] % 5) for b in blocks]
             elif op[0] == "remove":
                 if not queued:
                     continue
@@ -52,15 +52,23 @@ def test_matches_a_list_per_fifo(slack, monkeypatch):
                 assert q.remove(b) == fifo
                 model[fifo] = [(x, s) for x, s in model[fifo] if x != b]
             else:
-                _, fifo, n, bound = op
+                _, fifo, n, low, high, pieces = op
                 want = []
-                while model[fifo] and len(want) < n and model[fifo][0][1] <= bound:
+                while model[fifo] and len(want) < n and low <= model[fifo][0][1] <= high:
                     want.append(model[fifo].pop(0))
-                assert q.pop_upto(fifo, n, bound) == [b for b, _ in want]
-                if want:
-                    assert q.last_stamp == want[-1][1]
+                if pieces:  # one per run: the blocks and their stamp
+                    got = [(b, stamp) for run, stamp in q.pop_runs(fifo, n, high, low)
+                           for b in run]
+                    assert got == want
+                else:
+                    assert q.pop_upto(fifo, n, high, low) == [b for b, _ in want]
+                    if want:
+                        assert q.last_stamp == want[-1][1]
             assert q._check_sanity()
             assert len(q) == sum(map(len, model))
+            busy = [f for f in range(FIFOS) if model[f]]
+            assert q.lowest_fifo() == (busy[0] if busy else -1)
+            assert q.lowest_fifo(0b110) == next((f for f in busy if f), -1)
             for fifo in range(FIFOS):
                 assert q.fifo_order(fifo) == [b for b, _ in model[fifo]]
                 assert bool(q.nonempty_mask() >> fifo & 1) == bool(model[fifo])

@@ -1,7 +1,7 @@
 """FIFOs of free blocks kept as the runs they were queued in, each run with one stamp.
 
-A class policy (`base.ClassQueuePolicy`) queues a release as a few runs (one per class) and
-takes victims as runs from a FIFO's head while their stamp stays under a bound. A linked list
+A policy queues a release as a few runs (one per class, or per queue and access count) and
+takes victims as runs from a FIFO's head while their stamp stays within bounds. A linked list
 (`FreeQueue`) writes four fields per queued block and reads two per victim; here a run is the
 released list itself, a block's only field is the run holding it, and a victim costs a slice
 and one write. A claim takes a block out of the middle of its run in O(1): the run counts its
@@ -52,8 +52,8 @@ class RunQueue:
         return self._where[block] is not None
 
     def push_run(self, blocks: list[BlockId], fifo: int, stamp: int) -> None:
-        """Append `blocks` in order to FIFO `fifo` as one run stamped `stamp` (not below the
-        FIFO's last one). The queue keeps `blocks`: the caller must not change it."""
+        """Append `blocks` in order to FIFO `fifo` as one run stamped `stamp`. The queue keeps
+        `blocks`: the caller must not change it."""
         if not blocks:
             return
         n = len(blocks)
@@ -82,12 +82,60 @@ class RunQueue:
         self._size -= 1
         return fifo
 
-    def pop_upto(self, fifo: int, n: int, max_stamp: int) -> list[BlockId]:
-        """Up to `n` blocks from the front of FIFO `fifo` whose stamp is at most `max_stamp`,
-        in order (`last_stamp`: the last one's stamp)."""
+    def pop_upto(self, fifo: int, n: int, max_stamp: int, min_stamp: int = 0
+                 ) -> list[BlockId]:
+        """Up to `n` blocks from the front of FIFO `fifo` while their stamps stay within
+        `[min_stamp, max_stamp]`, in order (`last_stamp`: the last one's stamp)."""
         out: list[BlockId] = []
+        self._take(fifo, n, min_stamp, max_stamp, out, None)
+        return out
+
+    def pop_runs(self, fifo: int, n: int, max_stamp: int, min_stamp: int = 0
+                 ) -> list[tuple[list[BlockId], int]]:
+        """`pop_upto` as pieces `(blocks, stamp)`, one per run taken from."""
+        pieces: list[tuple[list[BlockId], int]] = []
+        self._take(fifo, n, min_stamp, max_stamp, None, pieces)
+        return pieces
+
+    def head_stamps(self, fifos: list[int]) -> list[int]:
+        """The stamp of the first queued block of each of `fifos` (each must hold one)."""
+        out = []
+        for q in fifos:
+            runs = self._runs[q]
+            while not runs[0][_LIVE]:
+                self._held[q] -= len(runs[0][_BLOCKS]) - runs[0][_START]
+                runs.popleft()
+            out.append(runs[0][_STAMP])
+        return out
+
+    def nonempty_mask(self) -> int:
+        """Bit q set: FIFO q holds a block."""
+        return self._nonempty
+
+    def lowest_fifo(self, mask: int = -1) -> int:
+        """The lowest non-empty FIFO among those set in `mask`, or -1 if none."""
+        m = self._nonempty & mask
+        return (m & -m).bit_length() - 1
+
+    def fifo_of(self, block: BlockId) -> int:
+        """The FIFO holding `block`, -1 if it is not queued."""
+        run = self._where[block]
+        return -1 if run is None else run[_FIFO]
+
+    def stamp_of(self, block: BlockId) -> int:
+        """The stamp of queued `block`'s run."""
+        return self._where[block][_STAMP]
+
+    def fifo_order(self, fifo: int) -> list[BlockId]:
+        """The blocks of FIFO `fifo`, head first (tests and debugging; O(n))."""
+        where = self._where
+        return [BlockId(b) for run in self._runs[fifo] for b in run[_BLOCKS][run[_START]:]
+                if where[b] is run]
+
+    def _take(self, fifo: int, n: int, lo: int, hi: int, out: list | None,
+              pieces: list | None) -> None:
         runs, where = self._runs[fifo], self._where
-        held = 0
+        held = k = 0
         while n and runs:
             run = runs[0]
             blocks, start, stamp, _, live = run
@@ -95,7 +143,7 @@ class RunQueue:
                 runs.popleft()
                 held += len(blocks) - start
                 continue
-            if stamp > max_stamp:
+            if stamp > hi or stamp < lo:
                 break
             end = len(blocks)
             if live == end - start:  # no holes: a slice
@@ -122,46 +170,18 @@ class RunQueue:
             else:
                 run[_START] = stop
                 run[_LIVE] = live
-            out += taken
+            if pieces is None:
+                out += taken
+            else:
+                pieces.append((taken, stamp))
             n -= len(taken)
+            k += len(taken)
             self.last_stamp = stamp
-        k = len(out)
         self._held[fifo] -= held
         left = self._count[fifo] = self._count[fifo] - k
         if not left:
             self._nonempty &= ~(1 << fifo)
         self._size -= k
-        return out
-
-    def head_stamps(self, fifos: list[int]) -> list[int]:
-        """The stamp of the first queued block of each of `fifos` (each must hold one)."""
-        out = []
-        for q in fifos:
-            runs = self._runs[q]
-            while not runs[0][_LIVE]:
-                self._held[q] -= len(runs[0][_BLOCKS]) - runs[0][_START]
-                runs.popleft()
-            out.append(runs[0][_STAMP])
-        return out
-
-    def nonempty_mask(self) -> int:
-        """Bit q set: FIFO q holds a block."""
-        return self._nonempty
-
-    def fifo_of(self, block: BlockId) -> int:
-        """The FIFO holding `block`, -1 if it is not queued."""
-        run = self._where[block]
-        return -1 if run is None else run[_FIFO]
-
-    def stamp_of(self, block: BlockId) -> int:
-        """The stamp of queued `block`'s run."""
-        return self._where[block][_STAMP]
-
-    def fifo_order(self, fifo: int) -> list[BlockId]:
-        """The blocks of FIFO `fifo`, head first (tests and debugging; O(n))."""
-        where = self._where
-        return [BlockId(b) for run in self._runs[fifo] for b in run[_BLOCKS][run[_START]:]
-                if where[b] is run]
 
     def _compact(self, fifo: int) -> None:
         """Drop FIFO `fifo`'s dead runs and the taken or claimed entries of the others."""
@@ -182,12 +202,9 @@ class RunQueue:
         queued = 0
         for q, runs in enumerate(self._runs):
             live = held = 0
-            last = None
             for run in runs:
-                blocks, start, stamp, fifo, n = run
+                blocks, start, _, fifo, n = run
                 assert fifo == q and 0 <= start <= len(blocks)
-                assert last is None or stamp >= last
-                last = stamp
                 assert n == sum(self._where[b] is run for b in blocks[start:])
                 live += n
                 held += len(blocks) - start

@@ -18,10 +18,11 @@ from operator import not_
 
 import numpy as np
 
-from ..free_queue import NUM_PRIORITY_LEVELS, FreeQueue
+from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import TICK_SHIFT, KeyHistory, chain_keys, record_key
+from .run_queue import RunQueue
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
 """FIFO mask of the first queue (class 0) at every level."""
@@ -39,7 +40,7 @@ class _TwoQueues:
                  history_ratio: float) -> None:
         self.index = index
         self.capacity = capacity
-        self.queue = FreeQueue(id_space, 2)
+        self.queue = RunQueue(id_space, 2 * NUM_PRIORITY_LEVELS)
         self.num_second = 0
         """Blocks in the second queue."""
         self.history = KeyHistory(int(history_ratio * capacity))
@@ -67,7 +68,8 @@ class _TwoQueues:
     def requeue(self, block: BlockId, priority: int) -> None:
         """To the back of its queue at level `priority` (its retention ended; not a use)."""
         q = self.queue
-        q.push_run([block], 2 * priority + (q.remove(block) & 1))
+        stamp = q.stamp_of(block)
+        q.push_run([block], 2 * priority + (q.remove(block) & 1), stamp)
 
     def remove(self, block: BlockId) -> None:
         """A claim: the block is in use (a hit, or a partial match being taken)."""
@@ -76,34 +78,31 @@ class _TwoQueues:
         self._left[block] = 1 + second
         self._rec[block] = self.index.stored[block]
 
-    def _returned(self, blocks: list[BlockId], recs: list
-                  ) -> tuple[list[tuple[int, int]], list[BlockId]]:
-        """Of `blocks` being queued (holding `recs`), those that left the queue by a claim:
-        the positions of those still holding the same data, each with 1 + the queue it
-        left, and the blocks that hold new data now (a partial match taken and written).
-        Clears `_left` for all of them."""
+    def _returned(self, blocks: list[BlockId], recs: list) -> list[tuple[int, int]]:
+        """Of `blocks` being queued (holding `recs`), those that left the queue by a claim
+        and still hold the same data: their positions, each with 1 + the queue it left (a
+        claimed block holding new data now, a partial match taken and written, is new data).
+        Clears `_left` for every claimed one."""
         left, last = self._left, self._rec
         same: list[tuple[int, int]] = []
-        changed: list[BlockId] = []
         for i in compress(range(len(blocks)), map(left.__getitem__, blocks)):
             b = blocks[i]
             if recs[i] is last[b]:
                 same.append((i, left[b]))
-            else:
-                changed.append(b)
             left[b] = 0
-        return same, changed
+        return same
 
-    def _queue_split(self, blocks: list[BlockId], second: list, priority: int) -> None:
-        """Append `blocks` in order to the queues at level `priority`: those with
-        `second[i]` set to the second queue, the others to the first."""
+    def _queue_split(self, blocks: list[BlockId], second: list, priority: int,
+                     stamp: int = 0) -> None:
+        """Append `blocks` in order to the queues at level `priority`, as runs stamped
+        `stamp`: those with `second[i]` set to the second queue, the others to the first."""
         queue = self.queue
         if not any(second):
-            queue.push_run(blocks, 2 * priority)
+            queue.push_run(blocks, 2 * priority, stamp)
             return
-        queue.push_run(list(compress(blocks, map(not_, second))), 2 * priority)
+        queue.push_run(list(compress(blocks, map(not_, second))), 2 * priority, stamp)
         run = list(compress(blocks, second))
-        queue.push_run(run, 2 * priority + 1)
+        queue.push_run(run, 2 * priority + 1, stamp)
         self.num_second += len(run)
 
     def _check_sanity(self) -> bool:
@@ -152,15 +151,15 @@ class SLRUPolicy(_TwoQueues):
         hist.store(known, slots, np.arange(start + 1, start + known.size + 1, dtype=np.int64)
                    << TICK_SHIFT, earlier)
         # Protected: reused while cached, or new data whose key was used before.
-        for i, _ in self._returned(blocks, recs)[0]:
+        for i, _ in self._returned(blocks, recs):
             seen[i] = True
         self._queue_split(blocks, seen, priority)
         queue = self.queue
         excess = self.num_second - self._cap
         while excess > 0:  # demote protected's LRU end, one run per level
             fifo = queue.lowest_fifo(_SECOND)
-            run = queue.pop_upto(fifo, excess)
-            queue.push_run(run, fifo - 1)
+            run = queue.pop_upto(fifo, excess, 0)
+            queue.push_run(run, fifo - 1, 0)
             self.num_second -= len(run)
             excess -= len(run)
 
@@ -170,7 +169,7 @@ class SLRUPolicy(_TwoQueues):
         # The lowest FIFO: probation before protected at each level.
         while len(out) < n and len(queue):
             fifo = queue.lowest_fifo()
-            run = queue.pop_upto(fifo, n - len(out))
+            run = queue.pop_upto(fifo, n - len(out), 0)
             if fifo & 1:
                 self.num_second -= len(run)
             out += run
@@ -203,35 +202,55 @@ class S3FIFOPolicy(_TwoQueues):
         super().__init__(id_space, capacity, index, params.history_ratio)
         self.params = params
         self._target = max(1, int(params.small_ratio * capacity))
+        # A queued block's access count (since it entered its FIFO or last went round) is
+        # its run's stamp: counts change only when a block is queued again, so a release is
+        # queued as runs of one count each (new data counts 0: all of it but the returns).
         self._freq = bytearray(id_space)
-        """Accesses since the block entered its FIFO or last went round (0 unless it is
-        queued or out on a claim)."""
+        """The access count a block had when claimed."""
+
+    def remove(self, block: BlockId) -> None:
+        self._freq[block] = self.queue.stamp_of(block)
+        super().remove(block)
 
     def _check_sanity(self) -> bool:
         assert super()._check_sanity()
-        # Counts only grow while queued or out on a claim: new data starts at 0.
-        assert not any(self._freq[b] for b in range(len(self._freq))
-                       if b not in self.queue and not self._left[b])
+        top = self.params.max_freq
+        assert all(self.queue.stamp_of(b) <= top for b in range(len(self._freq))
+                   if b in self.queue)
         return True
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
         recs = list(map(self.index.stored.__getitem__, blocks))
         # New data enters the main FIFO if its key is a ghost, else the small one.
         second = self.history.contains(list(map(record_key, recs)))
-        same, changed = self._returned(blocks, recs)
+        same = self._returned(blocks, recs)
+        if not same:
+            self._queue_split(blocks, second, priority)
+            return
+        # Returns are accesses: each goes back to the FIFO it left, its count one higher.
+        # The release is queued in pieces of one count: new data between the returns.
         freq, top = self._freq, self.params.max_freq
-        for i, left in same:  # an access: it goes back to the FIFO it left
-            b = blocks[i]
-            if freq[b] < top:
-                freq[b] += 1
+        start = 0
+        piece: list = []
+        for i, left in same:
+            count = min(freq[blocks[i]] + 1, top)
             second[i] = left - 1
-        for b in changed:
-            freq[b] = 0
-        self._queue_split(blocks, second, priority)
+            if piece and (piece[1] < i or piece[2] != count):
+                self._queue_split(blocks[piece[0]:piece[1]], second[piece[0]:piece[1]],
+                                  priority, piece[2])
+                piece = []
+            if start < i and not piece:
+                self._queue_split(blocks[start:i], second[start:i], priority)
+            piece = [piece[0] if piece else i, i + 1, count]
+            start = i + 1
+        self._queue_split(blocks[piece[0]:piece[1]], second[piece[0]:piece[1]], priority,
+                          piece[2])
+        if start < len(blocks):
+            self._queue_split(blocks[start:], second[start:], priority)
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
-        queue, freq, stored = self.queue, self._freq, self.index.stored
+        queue, stored = self.queue, self.index.stored
         ghosts: list = []
         """Keys evicted from the small FIFO, in order: recorded when the call ends (nothing
         reads the history meanwhile)."""
@@ -244,28 +263,25 @@ class S3FIFOPolicy(_TwoQueues):
                 # The small FIFO's unaccessed heads are evicted as one run (down to its target
                 # size while the main FIFO has blocks at this level); an accessed head moves.
                 k = n - len(out) if lf < ls else min(n - len(out), num_first - self._target)
-                run = queue.pop_upto(fs, k, freq, 0)
+                run = queue.pop_upto(fs, k, 0)
                 if run:  # their keys become ghosts
                     ghosts += map(record_key, map(stored.__getitem__, run))
                     out += run
                 else:
-                    # Accessed heads move to the main FIFO's tail as a run: after the first,
-                    # each one moves while the small FIFO holds more than its target.
-                    moved = queue.pop_upto(fs, max(1, num_first - self._target), freq, 255, 1)
-                    for b in moved:
-                        freq[b] = 0
-                    queue.push_run(moved, fs + 1)
+                    # Accessed heads move to the main FIFO's tail as a run, their counts
+                    # cleared: after the first, each one moves while the small FIFO holds
+                    # more than its target.
+                    moved = queue.pop_upto(fs, max(1, num_first - self._target), 255, 1)
+                    queue.push_run(moved, fs + 1, 0)
                     self.num_second += len(moved)
             else:
-                run = queue.pop_upto(fm, n - len(out), freq, 0)
+                run = queue.pop_upto(fm, n - len(out), 0)
                 if run:
                     self.num_second -= len(run)
                     out += run
                 else:  # accessed heads: a second chance each, at the tail in order
-                    moved = queue.pop_upto(fm, len(queue), freq, 255, 1)
-                    for b in moved:
-                        freq[b] -= 1
-                    queue.push_run(moved, fm)
+                    for moved, count in queue.pop_runs(fm, len(queue), 255, 1):
+                        queue.push_run(moved, fm, count - 1)
         if ghosts:
             self.history.record(ghosts)
         return out

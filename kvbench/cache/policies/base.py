@@ -61,6 +61,33 @@ def chain_keys(index: PrefixIndex, blocks: list[BlockId]) -> tuple[np.ndarray, b
     request that stored its deepest block (keys chain the prefix, so that request's keys
     below it are the run's): one array slice instead of a record lookup and an int
     conversion per block."""
+    partial, run = _one_run(index, blocks)
+    if run is not None:
+        source, start, end = run
+        return source.block_keys_array(index.tpb)[start:end], partial
+    chain = blocks[:0:-1] if partial else blocks[::-1]
+    return np.fromiter(map(record_key, map(index.stored.__getitem__, chain)), np.int64,
+                       len(chain)), partial
+
+
+def release_keys(index: PrefixIndex, blocks: list[BlockId]) -> list:
+    """The keys of a release's `blocks` (one sequence's, deepest first) in their order, None
+    for a partial block: a list slice when they are one run of positions (`chain_keys`)."""
+    partial, run = _one_run(index, blocks)
+    if run is None:
+        return list(map(record_key, map(index.stored.__getitem__, blocks)))
+    source, start, end = run
+    keys = source.block_keys(index.tpb)[start:end]
+    keys.reverse()
+    if partial:
+        keys.insert(0, None)
+    return keys
+
+
+def _one_run(index: PrefixIndex, blocks: list[BlockId]
+             ) -> tuple[bool, tuple[object, int, int] | None]:
+    """Whether the deepest of a release's `blocks` is partial, and when its full ones are one
+    run of positions: the request that stored the deepest and the positions [start, end)."""
     stored = index.stored
     partial = stored[blocks[0]][_KEY] is None
     n = len(blocks) - partial
@@ -68,12 +95,10 @@ def chain_keys(index: PrefixIndex, blocks: list[BlockId]) -> tuple[np.ndarray, b
         deepest = stored[blocks[partial]]
         end = deepest[_POSITION] + 1
         if stored[blocks[-1]][_POSITION] == end - n:  # positions fall one by one
-            keys = deepest[_SOURCE].block_keys_array(index.tpb)
-            assert keys[end - 1] == deepest[_KEY]
-            return keys[end - n:end], partial
-    chain = blocks[:0:-1] if partial else blocks[::-1]
-    return np.fromiter(map(record_key, map(stored.__getitem__, chain)), np.int64,
-                       len(chain)), partial
+            source = deepest[_SOURCE]
+            assert source.block_keys(index.tpb)[end - 1] == deepest[_KEY]
+            return partial, (source, end - n, end)
+    return partial, None
 
 
 def _keyed(keys: list, answer) -> list[bool]:

@@ -21,7 +21,7 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import TICK_SHIFT, KeyHistory, chain_keys, record_key
+from .base import TICK_SHIFT, KeyHistory, chain_keys, record_key, release_keys
 from .run_queue import RunQueue
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
@@ -34,7 +34,8 @@ class _TwoQueues:
     """What SLRU and S3-FIFO share: the `first` queue (probation / small, class 0), the
     `second` one (protected / main, class 1), and which data each block last held."""
 
-    __slots__ = ("index", "capacity", "queue", "num_second", "history", "_left", "_rec")
+    __slots__ = ("index", "capacity", "queue", "num_second", "history", "_left", "_rec",
+                 "_out")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  history_ratio: float) -> None:
@@ -55,6 +56,9 @@ class _TwoQueues:
         self._rec: list = [None] * id_space
         """The stored record a block held when claimed: a different one is new data (a
         partial match taken and written)."""
+        self._out = 0
+        """Blocks marked in `_left`: a release stops looking for its claimed blocks once it
+        has found them all (they are its shallowest, so it looks from its end)."""
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -77,19 +81,29 @@ class _TwoQueues:
         self.num_second -= second
         self._left[block] = 1 + second
         self._rec[block] = self.index.stored[block]
+        self._out += 1
 
-    def _returned(self, blocks: list[BlockId], recs: list) -> list[tuple[int, int]]:
-        """Of `blocks` being queued (holding `recs`), those that left the queue by a claim
-        and still hold the same data: their positions, each with 1 + the queue it left (a
-        claimed block holding new data now, a partial match taken and written, is new data).
-        Clears `_left` for every claimed one."""
-        left, last = self._left, self._rec
+    def _returned(self, blocks: list[BlockId]) -> list[tuple[int, int]]:
+        """Of `blocks` being queued, those that left the queue by a claim and still hold the
+        same data: their positions, each with 1 + the queue it left (a claimed block holding
+        new data now, a partial match taken and written, is new data). Clears `_left` for
+        every claimed one."""
+        out = self._out
+        if not out:
+            return []
+        left, last, stored = self._left, self._rec, self.index.stored
         same: list[tuple[int, int]] = []
-        for i in compress(range(len(blocks)), map(left.__getitem__, blocks)):
+        for i in compress(range(len(blocks) - 1, -1, -1), map(left.__getitem__,
+                                                               reversed(blocks))):
             b = blocks[i]
-            if recs[i] is last[b]:
+            if stored[b] is last[b]:
                 same.append((i, left[b]))
             left[b] = 0
+            out -= 1
+            if not out:
+                break
+        self._out = out
+        same.reverse()
         return same
 
     def _queue_split(self, blocks: list[BlockId], second: list, priority: int,
@@ -108,6 +122,7 @@ class _TwoQueues:
     def _check_sanity(self) -> bool:
         assert self.queue._check_sanity()
         assert not any(self._left[b] for b in range(len(self._left)) if b in self.queue)
+        assert self._out == sum(map(bool, self._left))
         assert self.num_second == sum(len(self.queue.fifo_order(2 * lv + 1))
                                       for lv in range(NUM_PRIORITY_LEVELS))
         return True
@@ -138,7 +153,6 @@ class SLRUPolicy(_TwoQueues):
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
         hist = self.history
-        recs = list(map(self.index.stored.__getitem__, blocks))
         known, partial = chain_keys(self.index, blocks)  # shallowest first
         slots, earlier = hist.find(known)
         seen = (earlier[::-1] > 0).tolist()  # deepest first, as `blocks`
@@ -151,7 +165,7 @@ class SLRUPolicy(_TwoQueues):
         hist.store(known, slots, np.arange(start + 1, start + known.size + 1, dtype=np.int64)
                    << TICK_SHIFT, earlier)
         # Protected: reused while cached, or new data whose key was used before.
-        for i, _ in self._returned(blocks, recs):
+        for i, _ in self._returned(blocks):
             seen[i] = True
         self._queue_split(blocks, seen, priority)
         queue = self.queue
@@ -220,10 +234,9 @@ class S3FIFOPolicy(_TwoQueues):
         return True
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
-        recs = list(map(self.index.stored.__getitem__, blocks))
         # New data enters the main FIFO if its key is a ghost, else the small one.
-        second = self.history.contains(list(map(record_key, recs)))
-        same = self._returned(blocks, recs)
+        second = self.history.contains(release_keys(self.index, blocks))
+        same = self._returned(blocks)
         if not same:
             self._queue_split(blocks, second, priority)
             return

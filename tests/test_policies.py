@@ -13,6 +13,7 @@ from kvbench.cache.manager import CacheSpec, KVCacheManager
 from kvbench.cache.policies import (POLICIES, POLICY_NAMES, GDSFParams, LRU2Params,
                                     PredictiveParams, S3FIFOParams, SLRUParams)
 from kvbench.cache.policies import base as policy_base
+from kvbench.cache.policies.segments import GhostKeys
 from kvbench.traffic.request import Request
 from strategies import related_prompts
 from test_cache_manager import DataCheckingDriver, interleavings
@@ -477,7 +478,7 @@ def test_invariants_with_every_policy(name, admission):
 
 @settings(max_examples=200, derandomize=True, deadline=None)
 @given(st.integers(1, 12),
-       st.lists(st.tuples(st.sampled_from(["batch", "each", "record", "contains"]),
+       st.lists(st.tuples(st.sampled_from(["batch", "each", "contains"]),
                           st.lists(st.one_of(st.none(), st.integers(0, 60)), max_size=12)),
                 max_size=40))
 def test_key_history_backings_agree(capacity, calls):
@@ -497,9 +498,6 @@ def test_key_history_backings_agree(capacity, calls):
             assert small.contains(keys) == large.contains(keys)
         elif kind == "each":
             assert small.record_each(keys) == large.record_each(keys)
-        elif kind == "record":
-            small.record(keys)
-            large.record(keys)
         else:
             known = np.array([k for k in keys if k is not None], np.int64)
             got = []
@@ -513,6 +511,28 @@ def test_key_history_backings_agree(capacity, calls):
         assert small.clock == large.clock and len(small) == len(large)
         # The dict stays in entry order (oldest use first): a drop cuts its front off.
         assert list(small._map.values()) == sorted(small._map.values())
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(st.integers(1, 12),
+       st.lists(st.lists(st.one_of(st.none(), st.integers(0, 80)), max_size=12), max_size=40))
+def test_ghost_keys_remember_as_a_key_history(capacity, batches):
+    """S3-FIFO's ghosts (a set and a list) remember exactly what a `KeyHistory` recording
+    the same keys one at a time remembers, for keys recorded only while forgotten."""
+    ghosts = GhostKeys(capacity)
+    history = policy_base.KeyHistory(capacity)
+    for raw in batches:
+        keys = list(dict.fromkeys(raw))
+        keys = [k for k, seen in zip(keys, history.contains(keys)) if not seen]
+        ghosts.record(keys)
+        history.record_each(keys)
+        probe = list(range(81))
+        assert ghosts.contains(probe) == history.contains(probe)
+        assert ghosts.clock == history.clock and len(ghosts) == len(history)
+        assert ghosts._check_sanity()
+    if len(ghosts):
+        with pytest.raises(AssertionError):
+            ghosts.record([ghosts._order[-1]])
 
 
 # --- LRU untouched, serve mode, requests.skip, tune --holdout ---------------------------------

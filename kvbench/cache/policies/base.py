@@ -228,23 +228,6 @@ class KeyHistory:
             return list(map(self._map.__contains__, keys))
         return _keyed(keys, lambda known: (self.find(np.array(known, np.int64))[1] > 0).tolist())
 
-    def record(self, keys: list) -> None:
-        """`record_each` without its answers, for keys that are rarely remembered already
-        (S3-FIFO's ghosts: a key enters the small FIFO only when it is not a ghost, and only
-        its eviction from there records it)."""
-        m = self._map
-        known = keys if None not in keys else [k for k in keys if k is not None]
-        if m is None or len(m) + len(known) > 2 * self.capacity:
-            self.record_each(keys)
-            return
-        was, clock = len(m), self.clock
-        m.update(zip(known, range((clock + 1) << 8, (clock + len(known) + 1) << 8, 1 << 8)))
-        self.clock = clock + len(known)
-        if len(m) != was + len(known):  # a key remembered kept its place: back in entry order
-            entries = sorted(m.items(), key=itemgetter(1))
-            m.clear()
-            m.update(entries)
-
     def record_each(self, keys: list) -> list[bool]:
         """Record each of `keys` (distinct; None is skipped, as never seen) at its own tick,
         exactly as one at a time with a settle after each; returns whether each was

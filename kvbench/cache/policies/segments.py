@@ -37,14 +37,14 @@ class _TwoQueues:
     __slots__ = ("index", "capacity", "queue", "num_second", "history", "_left", "_rec",
                  "_out")
 
-    def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
-                 history_ratio: float) -> None:
+    def __init__(self, id_space: int, capacity: int, index: PrefixIndex, history) -> None:
         self.index = index
         self.capacity = capacity
         self.queue = RunQueue(id_space, 2 * NUM_PRIORITY_LEVELS)
         self.num_second = 0
         """Blocks in the second queue."""
-        self.history = KeyHistory(int(history_ratio * capacity))
+        self.history = history
+        """Keys used or evicted lately (a ghost list)."""
         # A block released with the data it held when claimed was reused while cached; any
         # other released block holds new data (it was allocated: an eviction forgets the
         # data). Only claims write here, so a release of new data (most blocks) costs no
@@ -147,7 +147,8 @@ class SLRUPolicy(_TwoQueues):
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: SLRUParams) -> None:
-        super().__init__(id_space, capacity, index, params.history_ratio)
+        super().__init__(id_space, capacity, index,
+                         KeyHistory(int(params.history_ratio * capacity)))
         self.params = params
         self._cap = int(params.protected_ratio * capacity)
 
@@ -190,6 +191,57 @@ class SLRUPolicy(_TwoQueues):
         return out
 
 
+class GhostKeys:
+    """S3-FIFO's ghost history: the keys evicted from the small FIFO, remembered exactly as a
+    `KeyHistory` of `capacity` records them one tick each (when it holds more than twice
+    `capacity` keys it forgets those recorded `capacity` ticks ago or earlier), for keys
+    never recorded while remembered: a key enters the small FIFO only when it is not a
+    ghost, and only its eviction from there records it. So the keys remembered are the
+    newest of the record order: a set to ask and a list in order to forget from, each
+    written a batch at a time in C (a dict of ticks cost a Python loop per forgotten key)."""
+
+    __slots__ = ("capacity", "clock", "_keys", "_order")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.clock = 0
+        self._keys: set = set()
+        self._order: list = []
+        """The keys remembered, oldest first."""
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def contains(self, keys: list) -> list[bool]:
+        """Whether each of `keys` (None: never) is remembered."""
+        return list(map(self._keys.__contains__, keys))
+
+    def record(self, keys: list) -> None:
+        """Record each of `keys` (distinct, none remembered; None is skipped) at its own
+        tick."""
+        known = keys if None not in keys else [k for k in keys if k is not None]
+        remembered, order = self._keys, self._order
+        most = 2 * self.capacity
+        while known:
+            # Up to the key whose record overfills the history: the forgetting follows it.
+            chunk = known[:most + 1 - len(remembered)]
+            known = known[len(chunk):]
+            held = len(remembered) + len(chunk)
+            remembered.update(chunk)
+            assert len(remembered) == held, "a ghost recorded while remembered"
+            order += chunk
+            self.clock += len(chunk)
+            if held > most:  # keep the keys of the last `capacity` + 1 ticks
+                drop = held - self.capacity - 1
+                remembered.difference_update(order[:drop])
+                del order[:drop]
+
+    def _check_sanity(self) -> bool:
+        assert len(self._order) == len(self._keys) == len(set(self._order))
+        assert set(self._order) == self._keys and len(self._keys) <= 2 * self.capacity
+        return True
+
+
 @dataclass(frozen=True, slots=True)
 class S3FIFOParams:
     small_ratio: float = 0.1
@@ -213,7 +265,8 @@ class S3FIFOPolicy(_TwoQueues):
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: S3FIFOParams) -> None:
-        super().__init__(id_space, capacity, index, params.history_ratio)
+        super().__init__(id_space, capacity, index,
+                         GhostKeys(int(params.history_ratio * capacity)))
         self.params = params
         self._target = max(1, int(params.small_ratio * capacity))
         # A queued block's access count (since it entered its FIFO or last went round) is
@@ -227,7 +280,7 @@ class S3FIFOPolicy(_TwoQueues):
         super().remove(block)
 
     def _check_sanity(self) -> bool:
-        assert super()._check_sanity()
+        assert super()._check_sanity() and self.history._check_sanity()
         top = self.params.max_freq
         assert all(self.queue.stamp_of(b) <= top for b in range(len(self._freq))
                    if b in self.queue)

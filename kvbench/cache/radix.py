@@ -254,11 +254,14 @@ class PrefixIndex:
             key = rec[0]  # _KEY (literal indices: this loop runs per evicted block)
             if key is not None:
                 del by_key[key]
-                # Its next block, if still stored below it, was found through it: an orphan
-                # now, filed.
-                kid = stored[rec[5]]  # _NEXT
-                if kid is not None and kid[1] == key:  # _PARENT
-                    self._add_kid(key, self._first_of(rec[_NEXT]), rec[_NEXT])
+                if stored[rec[5]] is not None:  # _NEXT: seldom still stored
+                    self._file_orphan(rec)
+
+    def _file_orphan(self, rec: _Record) -> None:
+        """A dropped block's next block, if still stored below it, was found through it:
+        an orphan now, filed."""
+        if self._is_kid(rec[_NEXT], rec[_KEY]):
+            self._add_kid(rec[_KEY], self._first_of(rec[_NEXT]), rec[_NEXT])
 
     def _is_kid(self, block: BlockId, parent_key: BlockKey) -> bool:
         rec = self.stored[block]

@@ -140,9 +140,9 @@ class Request:
         a few blocks' first tokens per request)."""
         pos = block * tokens_per_block
         if self.tokens is not None:
-            return int(self.tokens[pos])
+            return self.tokens.item(pos)
         size = self.trace_block_tokens
-        return int(self.hash_ids[pos // size]) * size + pos % size
+        return self.hash_ids.item(pos // size) * size + pos % size
 
     def tokens_at(self, positions: np.ndarray) -> np.ndarray:
         """Prompt tokens at the given positions (int64 array, each < input_length)."""

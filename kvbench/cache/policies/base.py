@@ -155,6 +155,8 @@ class KeyHistory:
         at least `1 << 8` (ticks start at 1)."""
         self._used = 0
         """Table slots holding a key, remembered or forgotten."""
+        self._keys: np.ndarray | None = None
+        """The table's key column (its entry column is `_entries`), None for the dict."""
         if self._map is None:
             self._alloc(16)  # grows to stay at most a third full
 
@@ -201,8 +203,12 @@ class KeyHistory:
         new = (table[slots] != keys).nonzero()[0]
         if 3 * (self._used + new.size) > len(table):  # at most a third full: short probes
             # Never smaller: the keys remembered swing between `capacity` and twice that,
-            # and a table sized to the low end would be rebuilt again soon.
-            self._rebuild(max(len(table), 6 * (self.count + new.size)))
+            # and a table sized to the low end would be rebuilt again soon. Once it is an
+            # eighth of the most it can need (six slots per key, twice `capacity` keys), it
+            # grows to that at once: fresh memory costs page faults, so one large step
+            # costs less than two.
+            need, most = 6 * (self.count + new.size), 12 * self.capacity
+            self._rebuild(max(len(table), need if 8 * need < most else max(need, most)))
             table, stored = self._keys, self._entries
             slots, _ = self.find(keys)
             new = (table[slots] != keys).nonzero()[0]
@@ -300,8 +306,14 @@ class KeyHistory:
 
     def _alloc(self, size: int) -> None:
         size = 1 << max(4, (size - 1).bit_length())
-        # A slot's key and entry side by side: a probe reads one cache line, not two.
-        table = np.zeros((size, 2), np.int64)
+        if self._keys is not None and self._keys.size == size:
+            # A rebuild at the same size refills the table in place: fresh memory costs a
+            # page fault per 4 KB on first touch, several times the writes (20+ ms for 2M
+            # slots on a loaded machine).
+            table = self._keys.base
+            table[:, 1] = 0
+        else:  # a slot's key and entry side by side: a probe reads one cache line, not two
+            table = np.zeros((size, 2), np.int64)
         table[:, 0] = _EMPTY
         self._keys, self._entries = table[:, 0], table[:, 1]
         self._mask = np.array(size - 1, np.int64)

@@ -80,7 +80,6 @@ structured ints (hash id and offset), so their low bits alone would sample uneve
 # Constant operands of per-release numpy calls are 0-d arrays: numpy converts a Python
 # scalar operand on every call, which costs more than the call on a short array.
 _ZERO = np.array(0, np.int64)
-_ONE = np.array(1, np.int64)
 
 assert NUM_PRIORITY_LEVELS <= 1 << _LEVEL_BITS
 
@@ -105,7 +104,7 @@ class LRU2Policy:
                  "_tag", "_tags", "_rank", "_ranks", "_pushed", "_live", "_fifo", "_in_fifo",
                  "_runs", "_in_runs", "_nonempty", "_size", "_shadow_lru", "_shadow_lru2",
                  "_shadow_runs", "_in_shadow_runs", "_shadow_cap", "_shadow_order",
-                 "_halve_at", "_sampling")
+                 "_halve_at", "_sampled")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: LRU2Params) -> None:
@@ -141,7 +140,8 @@ class LRU2Policy:
         self._size = 0
         n = params.shadow_sampling
         self._shadow_cap = max(1, capacity // n) if n else 0
-        self._sampling = np.array(n, np.int64)
+        self._sampled = np.arange(int(_SAMPLE_PRIME)) % n == 0 if n else None
+        """Whether a key is sampled, by `key % prime` (one lookup for two remainders)."""
         self._shadow_lru: dict = {}
         """Sampled keys in LRU order (a dict keeps insertion order; a use moves a key last)."""
         self._shadow_lru2: dict = {}
@@ -172,17 +172,22 @@ class LRU2Policy:
         # is the earlier use's tick (0: none), capped at the parent's: a running minimum.
         known, _ = chain_keys(self.index, blocks)  # the deepest block may be partial
         slots, earlier = hist.find(known)
-        ticks = np.zeros(n, np.int64)  # 0: none (and for a partial block)
-        np.right_shift(earlier, TICK_SHIFT, out=ticks[:known.size])
+        if known.size == n:
+            ticks = np.right_shift(earlier, TICK_SHIFT)  # 0: none
+        else:  # a partial deepest block has no key: 0 for it too
+            ticks = np.zeros(n, np.int64)
+            np.right_shift(earlier, TICK_SHIFT, out=ticks[:known.size])
         capped = np.minimum.accumulate(ticks)
         hist.clock = clock + n
         hist.store(known, slots, np.arange((clock + 1) << 8, (clock + known.size + 1) << 8,
                                            1 << 8, np.int64), earlier)
         if self._shadow_cap:  # the sampled keys (a partial block has none) and their ranks
-            picked = (known % _SAMPLE_PRIME % self._sampling == _ZERO).nonzero()[0]
+            picked = self._sampled[known % _SAMPLE_PRIME].nonzero()[0]
             if picked.size:
-                picked = picked[::-1]  # deepest first, as the pool's pushes
-                self._shadow(known[picked].tolist(), capped[picked].tolist())
+                keys, ranks = known[picked].tolist(), capped[picked].tolist()
+                keys.reverse()  # deepest first, as the pool's pushes
+                ranks.reverse()
+                self._shadow(keys, ranks)
             self._choose()
         self._push_ranked(blocks, capped[::-1], priority)
 
@@ -259,12 +264,15 @@ class LRU2Policy:
         first, last = ranks.item(0), ranks.item(-1)
         if first == last:
             heappush(heap, ((first << _KEY_SHIFT) | first_tag, run_tags, run))
-        else:  # one run per rank
-            cuts = ((ranks[1:] != ranks[:-1]).nonzero()[0] + _ONE).tolist()
-            cuts.insert(0, 0)
-            for i, j, r in zip(cuts, [*cuts[1:], n], ranks[cuts].tolist()):
+        else:  # one run per rank (ranks do not decrease)
+            rank_list = ranks.tolist()
+            i = 0
+            while i < n:
+                r = rank_list[i]
+                j = n if r == last else bisect_right(rank_list, r, i)
                 heappush(heap, ((r << _KEY_SHIFT) | (first_tag + (i << _LEVEL_BITS)),
                                 run_tags[i:j], run[i:j]))
+                i = j
         self._in_runs[priority] += n
         self._size += n
         live = self._live[priority] = self._live[priority] + n

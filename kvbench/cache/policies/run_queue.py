@@ -43,7 +43,7 @@ class RunQueue:
         self._nonempty = 0
         self._size = 0
         self.last_stamp = 0
-        """The stamp of the last block `pop_upto` took."""
+        """The stamp of the last block `pop_upto` or `remove` took."""
 
     def __len__(self) -> int:
         return self._size
@@ -70,10 +70,11 @@ class RunQueue:
             self._compact(fifo)
 
     def remove(self, block: BlockId) -> int:
-        """Take `block` out of its run; returns its FIFO."""
+        """Take `block` out of its run; returns its FIFO (`last_stamp`: its stamp)."""
         run = self._where[block]
         assert run is not None, "block not in the free queue"
         self._where[block] = None
+        self.last_stamp = run[_STAMP]
         run[_LIVE] -= 1
         fifo = run[_FIFO]
         left = self._count[fifo] = self._count[fifo] - 1

@@ -35,7 +35,7 @@ class _TwoQueues:
     `second` one (protected / main, class 1), and which data each block last held."""
 
     __slots__ = ("index", "capacity", "queue", "num_second", "history", "_left", "_rec",
-                 "_out")
+                 "_out", "_freq")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex, history) -> None:
         self.index = index
@@ -56,6 +56,10 @@ class _TwoQueues:
         self._rec: list = [None] * id_space
         """The stored record a block held when claimed: a different one is new data (a
         partial match taken and written)."""
+        # S3-FIFO's access counts are its run stamps (SLRU's are 0): kept here, so a claim
+        # costs one call into the queue for both.
+        self._freq = bytearray(id_space)
+        """The stamp a block's run had when the block was claimed."""
         self._out = 0
         """Blocks marked in `_left`: a release stops looking for its claimed blocks once it
         has found them all (they are its shallowest, so it looks from its end)."""
@@ -77,7 +81,9 @@ class _TwoQueues:
 
     def remove(self, block: BlockId) -> None:
         """A claim: the block is in use (a hit, or a partial match being taken)."""
-        second = self.queue.remove(block) & 1
+        queue = self.queue
+        second = queue.remove(block) & 1
+        self._freq[block] = queue.last_stamp
         self.num_second -= second
         self._left[block] = 1 + second
         self._rec[block] = self.index.stored[block]
@@ -261,7 +267,7 @@ class S3FIFOPolicy(_TwoQueues):
     Otherwise from the main FIFO: a head accessed since its last pass gets its count lowered
     and goes back to the tail (second chance), else it is evicted."""
 
-    __slots__ = ("params", "_target", "_freq")
+    __slots__ = ("params", "_target")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: S3FIFOParams) -> None:
@@ -270,14 +276,9 @@ class S3FIFOPolicy(_TwoQueues):
         self.params = params
         self._target = max(1, int(params.small_ratio * capacity))
         # A queued block's access count (since it entered its FIFO or last went round) is
-        # its run's stamp: counts change only when a block is queued again, so a release is
-        # queued as runs of one count each (new data counts 0: all of it but the returns).
-        self._freq = bytearray(id_space)
-        """The access count a block had when claimed."""
-
-    def remove(self, block: BlockId) -> None:
-        self._freq[block] = self.queue.stamp_of(block)
-        super().remove(block)
+        # its run's stamp (`_freq` once claimed): counts change only when a block is queued
+        # again, so a release is queued as runs of one count each (new data counts 0: all of
+        # it but the returns).
 
     def _check_sanity(self) -> bool:
         assert super()._check_sanity() and self.history._check_sanity()

@@ -59,23 +59,6 @@ def test_push_back_many_is_push_back_in_order():
     assert q.order() == [5, 9, 3, 4]
 
 
-def test_pop_upto_takes_the_heads_within_stamp_bounds():
-    q = FreeQueue(8, classes=2)
-    q.push_run([3, 1, 4, 0], 2 * 35 + 1)
-    q.push_run([5], 2 * 35)
-    marks = bytearray([0, 1, 0, 1, 0, 0, 0, 0])  # blocks 1 and 3 are marked (stamp >= 1)
-    assert q.pop_upto(71, 8, marks, 255, 1) == [3, 1]  # stops at 4, unmarked
-    assert q.fifo_order(71) == [4, 0] and len(q) == 3
-    assert q.pop_upto(71, 8, marks, 255, 1) == []
-    marks[4] = 2
-    assert q.pop_upto(71, 8, marks, 1, 1) == []  # above max_stamp
-    marks[4] = marks[0] = 1
-    assert q.pop_upto(71, 1, marks, 255, 1) == [4]  # at most n
-    assert q.pop_upto(71, 8, marks, 255, 1) == [0]  # emptied: the next FIFO is the lowest
-    assert q.lowest_fifo() == 70 and q.nonempty_mask() == 1 << 70
-    assert q._check_sanity()
-
-
 def test_pop_front_many_spans_levels_and_leaves_queue_consistent():
     q = FreeQueue(10)
     q.push_back_many([1, 2], 5)

@@ -4,12 +4,8 @@ An intrusive doubly linked list per priority level, over plain int arrays indexe
 A block that is matched again must leave the queue from wherever it sits, and a released block
 joins at the back; both are O(1) only with links stored per block (a deque would make removal
 O(n)). Python lists of ints beat per-node objects here because the replay touches millions of
-blocks. The lowest non-empty level is found from a bitmask, so `pop_front` is O(1) as well.
-
-An eviction policy (`policies/`) splits each level into `classes` FIFOs over the same arrays:
-FIFO `level x classes + class`, so the mask's lowest bit is the lowest level's lowest class,
-and a block's FIFO, links and (optionally) a policy's stamp are written in one pass per run.
-LRU is one class: FIFO = level.
+blocks. The lowest non-empty level is found from a bitmask, so `pop_front` is O(1) as well. The other
+eviction policies keep their own queues (`policies/run_queue.py`).
 """
 
 from __future__ import annotations
@@ -23,23 +19,18 @@ _NONE = -1
 
 
 class FreeQueue:
-    """LRU order within a priority level; the head of the lowest level is evicted first.
+    """LRU order within a priority level; the head of the lowest level is evicted first."""
 
-    With `classes` > 1, the FIFO-level calls (`push_run`, `pop_upto`, `fifo_of`,
-    `lowest_fifo`) take FIFO indices (`level x classes + class`); the level calls
-    (`push_back`, `pop_front_many`, `requeue`) are for one class."""
+    __slots__ = ("_next", "_prev", "_level", "_sentinel0", "_nonempty", "_size")
 
-    __slots__ = ("_next", "_prev", "_level", "_sentinel0", "_nonempty", "_size", "classes")
-
-    def __init__(self, capacity: int, classes: int = 1) -> None:
-        self.classes = classes
+    def __init__(self, capacity: int) -> None:
         self._sentinel0 = capacity
-        total = capacity + NUM_PRIORITY_LEVELS * classes
-        # Sentinel of FIFO q sits at index capacity + q and links to itself when empty.
+        total = capacity + NUM_PRIORITY_LEVELS
+        # Sentinel of level q sits at index capacity + q and links to itself when empty.
         self._next = list(range(total))
         self._prev = list(range(total))
         self._level = [_NONE] * capacity
-        """The FIFO holding the block (its level with one class), -1 while not queued."""
+        """The level holding the block, -1 while not queued."""
         self._nonempty = 0
         self._size = 0
 
@@ -65,35 +56,21 @@ class FreeQueue:
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
         """`push_back` of each of `blocks` in order, linked as one run."""
-        self.push_run(blocks, priority)
-
-    def push_run(self, blocks: list[BlockId], fifo: int, stamps: list[int] | None = None,
-                 stamp: int = 0) -> None:
-        """Append `blocks` in order to FIFO `fifo` as one run, setting `stamps[b] = stamp` for
-        each when `stamps` is given (a policy's per-block mark, in the same pass)."""
         if not blocks:
             return
-        s = self._sentinel0 + fifo
+        s = self._sentinel0 + priority
         nxt, prv, level = self._next, self._prev, self._level
         # A block queued twice would corrupt the links: `_check_sanity` catches it (an assert
         # here would cost a check per block on the hottest loop).
         last = prv[s]
-        if stamps is None:
-            for b in blocks:
-                nxt[last] = b
-                prv[b] = last
-                level[b] = fifo
-                last = b
-        else:
-            for b in blocks:
-                nxt[last] = b
-                prv[b] = last
-                level[b] = fifo
-                stamps[b] = stamp
-                last = b
+        for b in blocks:
+            nxt[last] = b
+            prv[b] = last
+            level[b] = priority
+            last = b
         nxt[last] = s
         prv[s] = last
-        self._nonempty |= 1 << fifo
+        self._nonempty |= 1 << priority
         self._size += len(blocks)
 
     def pop_front_many(self, n: int, max_level: int = NUM_PRIORITY_LEVELS) -> list[BlockId]:
@@ -127,67 +104,8 @@ class FreeQueue:
         self.remove(block)
         self.push_back(block, priority)
 
-    def lowest_fifo(self, mask: int = -1) -> int:
-        """The lowest non-empty FIFO among those set in `mask`, or -1 if none."""
-        m = self._nonempty & mask
-        return (m & -m).bit_length() - 1
-
-    def nonempty_mask(self) -> int:
-        """Bit q set: FIFO q holds a block."""
-        return self._nonempty
-
-    def fifo_of(self, block: BlockId) -> int:
-        """The FIFO holding `block`, -1 if it is not queued."""
-        return self._level[block]
-
-    def heads(self, fifos: list[int]) -> list[BlockId]:
-        """The first block of each of `fifos` (its sentinel index when empty)."""
-        nxt, s0 = self._next, self._sentinel0
-        return [nxt[s0 + q] for q in fifos]
-
-    def pop_upto(self, fifo: int, n: int, stamps=None, max_stamp=0, min_stamp=0
-                 ) -> list[BlockId]:
-        """Up to `n` blocks from the front of FIFO `fifo`, while `min_stamp <= stamps[block]
-        <= max_stamp` when `stamps` (never negative) is given (a policy takes a run at once:
-        victims of a queue ordered by a stamp, or the heads a per-block mark lets go or sends
-        round again)."""
-        out: list[BlockId] = []
-        append = out.append
-        s = self._sentinel0 + fifo
-        nxt, lv = self._next, self._level
-        b = nxt[s]
-        if stamps is None:
-            while b != s and n:
-                append(b)
-                lv[b] = _NONE
-                b = nxt[b]
-                n -= 1
-        elif not min_stamp:  # the lower bound holds: one comparison per block
-            while b != s and n and stamps[b] <= max_stamp:
-                append(b)
-                lv[b] = _NONE
-                b = nxt[b]
-                n -= 1
-        else:
-            while b != s and n and min_stamp <= stamps[b] <= max_stamp:
-                append(b)
-                lv[b] = _NONE
-                b = nxt[b]
-                n -= 1
-        self._cut_front(fifo, b, len(out))
-        return out
-
-    def _cut_front(self, fifo: int, b: int, taken: int) -> None:
-        """FIFO `fifo` now starts at `b` (its sentinel when emptied): `taken` blocks left."""
-        s = self._sentinel0 + fifo
-        self._next[s] = b
-        self._prev[b] = s
-        if b == s:
-            self._nonempty &= ~(1 << fifo)
-        self._size -= taken
-
     def remove(self, block: BlockId) -> int:
-        """Unlink `block`; returns the FIFO it left (its level with one class)."""
+        """Unlink `block`; returns the level it left."""
         level = self._level[block]
         assert level != _NONE, "block not in the free queue"
         nxt, prv = self._next, self._prev
@@ -214,10 +132,10 @@ class FreeQueue:
             self.remove(block)
         return block
 
-    def fifo_order(self, fifo: int) -> list[BlockId]:
-        """The blocks of FIFO `fifo`, head first (tests and debugging; O(n))."""
+    def level_order(self, level: int) -> list[BlockId]:
+        """The blocks of level `level`, head first (tests and debugging; O(n))."""
         out: list[BlockId] = []
-        s = self._sentinel0 + fifo
+        s = self._sentinel0 + level
         b = self._next[s]
         while b != s:
             out.append(BlockId(b))
@@ -225,15 +143,15 @@ class FreeQueue:
         return out
 
     def order(self) -> list[BlockId]:
-        """Eviction order with one class, first victim first (tests and debugging; O(n))."""
+        """Eviction order, first victim first (tests and debugging; O(n))."""
         out: list[BlockId] = []
-        for q in range(NUM_PRIORITY_LEVELS * self.classes):
-            out += self.fifo_order(q)
+        for q in range(NUM_PRIORITY_LEVELS):
+            out += self.level_order(q)
         return out
 
     def _check_sanity(self) -> bool:
         seen = 0
-        for q in range(NUM_PRIORITY_LEVELS * self.classes):
+        for q in range(NUM_PRIORITY_LEVELS):
             s = self._sentinel0 + q
             b = self._next[s]
             assert bool(self._nonempty >> q & 1) == (b != s)

@@ -1,7 +1,7 @@
 """Two-queue policies over the LRU free queue: SLRU/2Q and S3-FIFO.
 
 Both keep a block's free copies in one of two FIFOs per priority level, class 0 (probation /
-small) and class 1 (protected / main) of one `FreeQueue` (so every operation stays O(1)), and
+small) and class 1 (protected / main) of one `RunQueue` (so every operation stays O(1)), and
 learn a key's earlier uses from a bounded `KeyHistory` that outlives eviction (the ghost list of
 2Q and S3-FIFO). A claimed (in-use) block leaves its queue, as with LRU, and re-enters at the
 tail of its queue on release: in cache mode every access is a claim and a release. Retention

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .config import Workload, resolve_path
 from .engine.clock import hardware_from_config
+from .engine.collector import fewer_collections
 from .errors import InputError
 from .modes.cache import run_cache
 from .modes.common import ProgressFactory
@@ -17,6 +18,7 @@ from .traffic.spill import NotSpillable, SpilledTrace
 from .traffic.tracefile import warn
 
 
+@fewer_collections()
 def run_workload(workload: Workload, progress: ProgressFactory | None = None) -> list[RunOutcome]:
     """Run every variant of `workload` on the same request stream (reloaded only when a
     variant changes the requests or the seed, or needs it in memory where another streamed

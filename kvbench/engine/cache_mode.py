@@ -23,6 +23,7 @@ from ..cache.add import Phase2AllocationError
 from ..cache.manager import KVCacheManager
 from ..cache.protocol import CacheManager
 from ..traffic.request import Request
+from .collector import fewer_collections
 from .cross import CrossTally, cross_ops, cross_step, encoder_ids
 from .plane import step_items
 from .timeline import Timeline
@@ -42,6 +43,7 @@ class CacheModeResult:
     draft_reused_partial_blocks: int = 0
 
 
+@fewer_collections()
 def replay_cache_mode(
     requests: Sequence[Request], manager: CacheManager,
     on_progress: Callable[[int], None] | None = None, progress_every: int = 256,

@@ -97,7 +97,7 @@ PROFILE="$OUTDIR/profile-${GPU:-gpu}.yaml"
 SERVE=workloads/mooncake-conversation-serve.yaml
 
 step calibrate 130 "${KVBENCH[@]}" calibrate "$SERVE" "${TRACE_SET[@]}" --out "$PROFILE"
-step dataplane 80 python3 benchmarks/bench_dataplane.py --requests 8 "${TRACE_SET[@]}" \
+step dataplane 120 python3 benchmarks/bench_dataplane.py --requests 8 "${TRACE_SET[@]}" \
     ${GPU_CHECK_HOST_PROFILE:+--host-profile} \
     --json "$OUTDIR/dataplane.json"
 step fidelity 110 python3 benchmarks/bench_fidelity.py --profile "$PROFILE" --requests 16 \

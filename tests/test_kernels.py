@@ -526,3 +526,65 @@ def test_reference_from_the_model_casts_matches_naive_for_decode_items(window):
             want = naive_attention(q[layer, i:i + 1].float(), kv[layer, :, 0].float(),
                                    kv[layer, :, 1].float(), [len(toks) - 1], list(pos), window)
             assert torch.allclose(got[i][layer].double(), want, atol=1e-5)
+
+
+class _LastLayerNoisy(TorchBackend):
+    """Off by 0.05 at the last layer's queries only."""
+
+    def run(self, kv, batch, q, plan=None):
+        out = super().run(kv, batch, q, plan)
+        out[-1] += 0.05
+        return out
+
+
+def test_decode_verdicts_do_not_depend_on_the_tiling(monkeypatch):
+    """A decode batch checked in tiles of one layer and one item (its reference runs every
+    layer with the items' first layer group) gives the verdicts of one tile for all: right
+    data verified with the same largest error, an attention fault at the last layer reported
+    there, a wrong page caught at its block."""
+    from kvbench.kernels import verify
+
+    seqs = [(1, tokens(10, 1), [0, 1, 2]), (2, tokens(7, 2), [3, 4]), (3, tokens(5, 3), [5, 6])]
+
+    def decode_step(backend=None, blocks_of=None):
+        dp = plane()
+        for rid, toks, blocks in seqs:
+            prefill(dp, rid, toks, blocks, 0, len(toks) - 1)
+        if backend is not None:
+            dp.backend = backend
+        return dp.execute_step([], [StepItem(rid, toks, (blocks_of or {}).get(rid, blocks),
+                                             len(toks) - 1, len(toks))
+                                    for rid, toks, blocks in seqs])
+
+    def verdicts():
+        good = decode_step()
+        noisy = decode_step(_LastLayerNoisy()).mismatch
+        wrong = decode_step(blocks_of={2: [3, 9]}).mismatch  # block 9 never written
+        return (good.verified, good.max_abs_err, (noisy.kind, noisy.layer, noisy.request_id),
+                (wrong.kind, wrong.request_id, wrong.block_id, wrong.position))
+
+    whole = verdicts()
+    assert whole[0] is True and whole[1] > 0
+    assert whole[2:] == (("attention", 2, 1), ("kv", 2, 9, 4))
+    tiles = verify.tiles
+    # A budget of one key: every tile is one layer of one item.
+    monkeypatch.setattr(verify, "tiles", lambda counts, num_layers, key_bytes, budget:
+                        tiles(counts, num_layers, key_bytes, key_bytes))
+    assert len(list(verify.tiles(np.array([3, 2, 2]), 3, 8, 1 << 30))) == 9
+    assert verdicts() == whole
+
+
+def test_tf32_split_of_probabilities_is_exact():
+    """`_bmm_probs`' split: the high part has TF32's bits only, high + low is p exactly, and
+    the two products sum to p @ v (on a CPU both run in float32)."""
+    from kvbench.kernels.attention import _TF32_HIGH, _bmm_probs
+
+    gen = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(3, 4, 50, generator=gen) * 4, dim=-1)
+    v = torch.randn(3, 50, 8, generator=gen).bfloat16().float()
+    high = (p.view(torch.int32) & _TF32_HIGH).view(torch.float32)
+    # TF32 keeps 10 of float32's 23 stored significand bits: the low 13 must be zero.
+    assert int((high.view(torch.int32) & 0x1FFF).abs().max()) == 0 and (high > 0).all()
+    assert torch.equal(high + (p - high), p)
+    assert ((p - high).abs() <= p.abs() * 2.0**-10).all()
+    assert torch.allclose(_bmm_probs(p, v, True), torch.bmm(p, v), rtol=1e-6, atol=1e-7)

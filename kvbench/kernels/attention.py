@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from itertools import chain
 
 import numpy as np
@@ -446,16 +447,17 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
     # item's queries or keys is then a matrix the matmuls read in place, with no padding.
     qh = _float32(q.view(G, nq, hk, g, d).transpose(1, 2))
     kh, vh = _float32(k.transpose(1, 2)), _float32(v.transpose(1, 2))
+    tf32 = _tf32_exact(q, k)
     q_base, k_base, hidden_of = _masks(batch, keys, items, nq, window, q.device)
     for i, a, b in _segments(batch, keys, items, G, hq, budget):
         a, b = a - q_base, b - q_base
         k0, k1 = int(keys.indptr[i]) - k_base, int(keys.indptr[i + 1]) - k_base
         Q = qh[:, :, a:b].reshape(G * hk, (b - a) * g, d)
-        scores = torch.bmm(Q, kh[:, :, k0:k1].reshape(G * hk, k1 - k0, d).transpose(1, 2))
+        scores = _bmm(Q, kh[:, :, k0:k1].reshape(G * hk, k1 - k0, d).transpose(1, 2), tf32)
         scores = scores.mul_(d**-0.5).view(G * hk, b - a, g, k1 - k0)
         scores.masked_fill_(hidden_of(a, b, k0, k1)[None, :, None, :], float("-inf"))
         p = torch.softmax(scores, dim=-1).view(G * hk, (b - a) * g, k1 - k0)
-        o = torch.bmm(p, vh[:, :, k0:k1].reshape(G * hk, k1 - k0, d))
+        o = _bmm_probs(p, vh[:, :, k0:k1].reshape(G * hk, k1 - k0, d), tf32)
         yield a, b, o.view(G, hk, b - a, g, d).permute(0, 2, 1, 3, 4).reshape(G, b - a, hq, d)
 
 
@@ -484,14 +486,15 @@ def attend_casts(q: torch.Tensor, casts: torch.Tensor, cast: torch.Tensor, batch
     # [hk, queries, G, g, 4, d]: each query spread over the casts its layer's K picks.
     qt = q.view(G, nq, hk, g, d).permute(2, 1, 0, 3, 4).float()[:, :, :, :, None, :] \
         * kmask[:, None, :, None]
+    tf32 = _tf32_exact(q, casts)
     q_base, k_base, hidden_of = _masks(batch, keys, items, nq, window, q.device)
     for i in range(items.start, items.stop):
         j = int(batch.qo_indptr[i]) - q_base
         k0, k1 = int(keys.indptr[i]) - k_base, int(keys.indptr[i + 1]) - k_base
-        scores = torch.bmm(qt[:, j].reshape(hk, G * g, 4 * d), ck[:, k0:k1].transpose(1, 2))
+        scores = _bmm(qt[:, j].reshape(hk, G * g, 4 * d), ck[:, k0:k1].transpose(1, 2), tf32)
         scores = scores.mul_(d**-0.5).masked_fill_(hidden_of(j, j + 1, k0, k1),
                                                    float("-inf"))
-        y = torch.bmm(torch.softmax(scores, dim=-1), cv[:, k0:k1])
+        y = _bmm_probs(torch.softmax(scores, dim=-1), cv[:, k0:k1], tf32)
         o = (y.view(hk, G, g, 4, d) * vmask[:, :, None]).sum(3)
         yield j, j + 1, o.permute(1, 0, 2, 3).reshape(G, 1, hq, d)
 
@@ -515,6 +518,51 @@ def _masks(batch: PagedBatch, keys: KeyIndex, items: slice, nq: int, window: int
         return hidden
 
     return q_base, k_base, hidden_of
+
+
+_TF32_HIGH = -(1 << 13)
+"""int32 mask of a float32's sign, exponent and leading 10 significand bits: TF32's."""
+
+
+def _tf32_exact(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether the reference's float32 matmuls over these queries and K/V may run on TF32
+    tensor cores: on CUDA, where both are floats of at most 16 bits (TF32 holds every such
+    value exactly)."""
+    return q.device.type == "cuda" and q.element_size() <= 2 and kv.element_size() <= 2
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, tf32: bool) -> torch.Tensor:
+    """`torch.bmm` of float32 operands; with `tf32` (both hold values TF32 represents) on
+    TF32 tensor cores: the same exact products, summed in float32."""
+    if not tf32:
+        return torch.bmm(a, b)
+    with _allow_tf32():
+        return torch.bmm(a, b)
+
+
+def _bmm_probs(p: torch.Tensor, v: torch.Tensor, tf32: bool) -> torch.Tensor:
+    """`p @ v` for float32 probabilities `p`, `v` as in `_bmm`. With `tf32`, as two TF32
+    products: `p`'s leading 11 significand bits (exact in TF32) and the rest (below 2^-10
+    of `p`, which TF32 rounds to 2^-21 of `p`): float32's accuracy within a few bits, at
+    tensor-core speed."""
+    if not tf32:
+        return torch.bmm(p, v)
+    high = (p.view(torch.int32) & _TF32_HIGH).view(torch.float32)
+    low = p - high
+    with _allow_tf32():
+        return torch.bmm(high, v).baddbmm_(low, v)
+
+
+@contextmanager
+def _allow_tf32():
+    """CUDA float32 matmuls on TF32 tensor cores within (the setting is read at launch)."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = before
 
 
 def _float32(x: torch.Tensor) -> torch.Tensor:

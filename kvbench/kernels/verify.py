@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .attention import (KeyIndex, PagedBatch, attend_casts, attend_segments, gather_keys,
                         tile_bytes, tiles)
@@ -90,31 +91,41 @@ class Verifier:
         key_err = torch.zeros((L, n), dtype=torch.float32, device=dev)
         err_q = torch.zeros((L, int(batch.qo_indptr[-1])), dtype=torch.float32, device=dev)
         ref_q = torch.zeros_like(err_q)
-        per_key = 2 * s.num_kv_heads * s.head_dim * 4
+        # A decode tile holds the K/V read in their storage type alone (its reference reads
+        # the model's casts); other tiles also float32 copies of them.
+        per_key = 2 * s.num_kv_heads * s.head_dim * (self.dtype.itemsize if batch.decode
+                                                      else 4)
         budget = tile_bytes(dev)
         tile_keys: tuple | None = None
         for lay, items in tiles(np.diff(keys.indptr), L, per_key, budget):
             k0, k1 = int(keys.indptr[items.start]), int(keys.indptr[items.stop])
-            if tile_keys is None or tile_keys[0] != items:
+            first_group = tile_keys is None or tile_keys[0] != items
+            if first_group:
                 # The tile's keys (table rows, their item, the model's casts) serve every
                 # layer group of the same items.
                 rows = self.model.rows(batch_tokens(batch, keys, items), keys.positions[k0:k1])
-                tile_keys = (items, rows, to_device([keys.item[k0:k1] - items.start], dev)[0],
+                bounds = keys.indptr[items.start:items.stop + 1] - k0
+                tile_keys = (items, rows, to_device([bounds], dev)[0],
                              self.model.kv_casts(rows, self.dtype))
             got = gather_keys(kv, batch, keys, lay, items)
             self._check_keys(got, tile_keys, layers[lay], k0, k1,
                              (kv_bad, first_key, key_err), lay)
             # The reference reads the K/V the check just compared with the model's (where
             # they differ, the K/V mismatch is what gets reported): for decode items as the
-            # model's casts, else the pages' K/V in their storage type, upcast once per tile.
+            # model's casts, every layer at once with the items' first layer group (the
+            # layers ride on the matmuls' rows), else the pages' K/V in their storage type,
+            # upcast once per tile.
             q0, q1 = int(batch.qo_indptr[items.start]), int(batch.qo_indptr[items.stop])
-            if batch.decode:
-                refs = attend_casts(q[lay, q0:q1], tile_keys[3],
-                                    self.model.cast_index(layers[lay]), batch, keys, items,
-                                    batch.window)
-            else:
+            if not batch.decode:
                 refs = attend_segments(q[lay, q0:q1], got[:, :, 0], got[:, :, 1], batch, keys,
                                        items, batch.window, budget)
+            elif first_group:
+                lay = slice(0, L)
+                refs = attend_casts(q[:, q0:q1], tile_keys[3], self.model.cast_index(layers),
+                                    batch, keys, items, batch.window)
+            else:
+                refs = ()
+            del got  # a decode reference's temporaries may take its memory
             for a, b, ref in refs:
                 o = out[lay, q0 + a:q0 + b].float()
                 err_q[lay, q0 + a:q0 + b] = (o - ref).abs().amax(dim=(2, 3))
@@ -128,11 +139,11 @@ class Verifier:
                     k0: int, k1: int, out: tuple, lay: slice) -> None:
         """The K/V check of one tile: `got` `[G, keys, 2, kv_heads, head_dim]` read through
         the page tables for keys `[k0, k1)` at `layers`; `tile_keys` = (item range, the keys'
-        table rows, their item, the model's casts). Writes the tile's (layer, item) cells of
-        `out` = (K/V wrong, first wrong key, its largest K/V difference) at layers `lay`."""
+        table rows, the items' bounds among the tile's keys, the model's casts). Writes the
+        tile's (layer, item) cells of `out` = (K/V wrong, first wrong key, its largest K/V
+        difference) at layers `lay`."""
         kv_bad, first_key, key_err = out
-        items, rows, key_item, casts = tile_keys
-        dev = got.device
+        items, rows, bounds, casts = tile_keys
         if self.proj is not None:
             want = self.model.kv_fingerprints(casts, layers, self.proj)
             wrong = (fingerprint(got.flatten(3), self.proj) != want).flatten(2).any(-1)
@@ -142,14 +153,16 @@ class Verifier:
             want = self.model.kv_exact(rows, layers, self.dtype)
             wrong = (got.view(bits) != want.view(bits)).flatten(2).any(-1)
         del want
-        G, m = wrong.shape[0], items.stop - items.start
-        kv_bad[lay, items] = torch.zeros((G, m), dtype=torch.float32, device=dev
-                                         ).scatter_reduce_(1, key_item.expand(G, -1),
-                                                           wrong.float(), "amax")
-        # The first wrong key of each item (keys ascend within an item).
-        key_no = torch.arange(k0, k1, dtype=torch.int64, device=dev).expand(G, -1)
-        first = torch.full((G, m), NO_KEY, dtype=torch.int64, device=dev).scatter_reduce_(
-            1, key_item.expand(G, -1), torch.where(wrong, key_no, int(NO_KEY)), "amin")
+        # An item's keys are a run of the tile's (keys ascend within an item): the running
+        # count of wrong keys, read at the items' bounds, says which items have one, and
+        # the first key where it passes its count before the item is the first wrong one.
+        # (A scatter per key onto a few items would serialise on their atomics.)
+        G, dev = wrong.shape[0], got.device
+        seen = wrong.cumsum(1, dtype=torch.int32)
+        before = F.pad(seen, (1, 0)).index_select(1, bounds)
+        bad = before[:, 1:] > before[:, :-1]
+        kv_bad[lay, items] = bad.float()
+        first = torch.where(bad, torch.searchsorted(seen, before[:, :-1] + 1) + k0, int(NO_KEY))
         at = (first.clamp(max=k1 - 1) - k0).clamp(min=0)
         g_at = got[torch.arange(G, device=dev)[:, None], at]
         w_at = self.model.kv_exact_per_layer(rows[:, at], layers, self.dtype)

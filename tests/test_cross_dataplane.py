@@ -10,7 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvbench.kernels.attention import CrossBatch, PagedBatch, TorchBackend  # noqa: E402
+from kvbench.kernels.attention import CrossBatch, PagedBatch  # noqa: E402
+from kvbench.kernels.reference import TorchBackend  # noqa: E402
 from kvbench.kernels.dataplane import DataPlane  # noqa: E402
 from kvbench.kernels.step import CrossKV, ModelShape, PoolSpec, StepItem  # noqa: E402
 from kvbench.kernels.storage import STORAGE_DTYPES  # noqa: E402

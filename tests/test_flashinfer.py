@@ -20,7 +20,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvbench.cache.ids import BlockId, CopyKind, CopyOp, Tier  # noqa: E402
-from kvbench.kernels.attention import CrossBatch, PagedBatch, TorchBackend  # noqa: E402
+from kvbench.kernels.attention import CrossBatch, PagedBatch  # noqa: E402
+from kvbench.kernels.reference import TorchBackend  # noqa: E402
 from kvbench.kernels.dataplane import DataPlane, open_data_plane  # noqa: E402
 from kvbench.kernels.step import CrossKV, ModelShape, PoolSpec, StepItem  # noqa: E402
 from kvbench.kernels.verify import TOLERANCES  # noqa: E402

@@ -14,10 +14,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvbench.cache.ids import BlockId, CopyKind, CopyOp, Tier  # noqa: E402
-from kvbench.kernels.attention import PagedBatch, TorchBackend, attend_casts, write_kv  # noqa: E402
+from kvbench.kernels.attention import PagedBatch, write_kv  # noqa: E402
 from kvbench.kernels.copies import _runs, _waves  # noqa: E402
 from kvbench.kernels.dataplane import DataPlane, resolve_backend  # noqa: E402
 from kvbench.kernels.model import SyntheticModel  # noqa: E402
+from kvbench.kernels.reference import TorchBackend, attend_casts  # noqa: E402
 from kvbench.kernels.storage import STORAGE_DTYPES  # noqa: E402
 from kvbench.kernels.step import (  # noqa: E402
     BackendUnavailable, ModelShape, PoolSpec, StepItem,
@@ -577,7 +578,7 @@ def test_decode_verdicts_do_not_depend_on_the_tiling(monkeypatch):
 def test_tf32_split_of_probabilities_is_exact():
     """`_bmm_probs`' split: the high part has TF32's bits only, high + low is p exactly, and
     the two products sum to p @ v (on a CPU both run in float32)."""
-    from kvbench.kernels.attention import _TF32_HIGH, _bmm_probs
+    from kvbench.kernels.reference import _TF32_HIGH, _bmm_probs
 
     gen = torch.Generator().manual_seed(5)
     p = torch.softmax(torch.randn(3, 4, 50, generator=gen) * 4, dim=-1)

@@ -46,9 +46,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..cache.ids import CopyOp
-from .attention import CrossBatch, PagedBatch, TorchBackend, write_kv
+from .attention import CrossBatch, PagedBatch, write_kv
 from .copies import CopyExecutor
 from .model import ENCODER_SEED, SyntheticModel
+from .reference import TorchBackend
 from .staging import Upload
 from .step import BackendUnavailable, Mismatch, ModelShape, PoolSpec, StepCheck, StepItem
 from .storage import QUERY_DTYPES, STORAGE_DTYPES, PoolTensors, make_pools

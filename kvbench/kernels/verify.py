@@ -6,9 +6,9 @@ position, layer)s, rounded to the storage type: a wrong page, a skipped or misdi
 a block overwritten after it was claimed, or a block reused at another position shows up
 here, whatever the tolerances (`SyntheticModel.kv_exact` recomputes them without float32
 work per layer). Then the backend's output must match the reference attention
-(`attention.attend_segments`) on the K/V read, which the first check proved equal to the
+(`reference.attend_segments`) on the K/V read, which the first check proved equal to the
 model's, within the tolerance of the dtype; for decode batches the reference reads those K/V
-as the model's four casts per column (`attention.attend_casts`: a decode query's cost is the
+as the model's four casts per column (`reference.attend_casts`: a decode query's cost is the
 keys it reads, and every layer's keys are picks of the same four casts).
 
 Bits are compared through `fingerprint`s (exact integer projections of each K/V row's bytes;
@@ -32,10 +32,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .attention import (KeyIndex, PagedBatch, attend_casts, attend_segments, gather_keys,
-                        tile_bytes, tiles)
+from .attention import KeyIndex, PagedBatch, gather_keys
 from .fingerprint import fingerprint, projections
 from .model import SyntheticModel
+from .reference import attend_casts, attend_segments, tile_bytes, tiles
 from .staging import to_device
 from .step import Mismatch, StepItem
 from .storage import STORAGE_DTYPES, widest_int

@@ -454,7 +454,7 @@ def test_paged_batch_tables_equal_a_per_item_recomputation():
              StepItem(3, c, [10, 11], 6, 7)]
     batch = PagedBatch(items, pool, TPB, torch.device("cpu"), decode=False)
     want_pages = [[] for _ in range(3)]
-    want_write, want_slot, want_pos, want_tok = [[] for _ in range(3)], [], [], []
+    want_write, want_pos, want_tok = [[] for _ in range(3)], [], []
     base = 0
     for it in items:
         npages = -(-(it.end - it.first_block * TPB) // TPB)
@@ -467,14 +467,13 @@ def test_paged_batch_tables_equal_a_per_item_recomputation():
         for p in range(it.start, it.end):
             rel = p - it.first_block * TPB
             for layer in range(3):
-                want_write[layer].append(want_pages[layer][base + rel // TPB])
-            want_slot.append(rel % TPB)
+                k_row = want_pages[layer][base + rel // TPB] * 2 * TPB + rel % TPB
+                want_write[layer].append([k_row, k_row + TPB])
             want_pos.append(p)
             want_tok.append(int(it.tokens[p]))
         base += npages
     assert batch.pages_dev.tolist() == want_pages
-    assert batch.write_page.tolist() == want_write
-    assert batch.write_slot.tolist() == want_slot
+    assert batch.write_rows.tolist() == want_write
     assert batch.new_positions.tolist() == want_pos
     assert batch.new_tokens.tolist() == want_tok
     assert torch.equal(batch.rows, torch.from_numpy(table_rows(np.array(want_tok),

@@ -101,10 +101,10 @@ def test_a_batch_on_the_steps_upload_gets_the_tables_of_its_own():
     upload = Upload(CPU)
     shared = PagedBatch(_items(), pool, TPB, CPU, decode=False, upload=upload)
     upload.send()
-    for name in ("pages_dev", "write_page", "write_slot", "rows"):
+    for name in ("pages_dev", "write_rows", "rows"):
         a, b = getattr(alone, name), getattr(shared, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
-    assert alone.pages_dev.dtype == torch.int32 and alone.write_page.dtype == torch.int64
+    assert alone.pages_dev.dtype == torch.int32 and alone.write_rows.dtype == torch.int64
 
 
 def test_a_step_sends_one_upload_whatever_its_batches(monkeypatch):

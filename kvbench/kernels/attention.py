@@ -93,7 +93,7 @@ class PagedBatch:
         "items", "pool", "window", "decode", "tpb", "num_layers", "kv_start", "kv_len",
         "qo_indptr", "kv_indptr", "last_page_len", "pages", "scratch_mask", "has_scratch",
         "new_positions", "new_tokens", "tok_batch", "tok_rel", "tok_page", "device",
-        "pages_dev", "write_page", "write_slot", "rows",
+        "pages_dev", "write_rows", "rows",
     )
 
     def __init__(self, items: Sequence[StepItem], pool: PoolTensors, tokens_per_block: int,
@@ -174,25 +174,27 @@ class PagedBatch:
         device from the first layer's pages (int32, FlashInfer's index type) and, with
         scratch pages, their steps (1 or 0); the write pages (int64, for indexing) likewise
         from each token's first-layer page."""
-        pages, tok_page = self.pages, self.tok_page
-        arrays = [pages.astype(np.int32), pages[tok_page], self.tok_rel % self.tpb,
+        pages, tok_page, tpb = self.pages, self.tok_page, self.tpb
+        # A token's K and V rows at the first layer, in the pool's rows (`wide_rows`).
+        k_row = pages[tok_page] * (2 * tpb) + self.tok_rel % tpb
+        arrays = [pages.astype(np.int32), np.stack((k_row, k_row + tpb), 1),
                   table_rows(self.new_tokens, self.new_positions)]
         if self.has_scratch:
             step = (~self.scratch_mask).astype(np.int32)
-            arrays += [step, step[tok_page].astype(np.int64)]
+            arrays += [step, step[tok_page].astype(np.int64)[:, None]]
         return arrays
 
     def _on_device(self, tables: list[torch.Tensor]) -> None:
         """The batch's device tables, from its uploaded arrays (see `__init__`)."""
-        pages, write_page, self.write_slot, self.rows = tables[:4]
-        layers32, layers64 = _layer_range(self.num_layers, self.device)
+        pages, write_rows, self.rows = tables[:3]
+        layers32, layer_rows = _layer_range(self.num_layers, 2 * self.tpb, self.device)
         if self.has_scratch:
-            step, write_step = tables[4:]
+            step, write_step = tables[3:]
             self.pages_dev = pages + layers32 * step
-            self.write_page = write_page + layers64 * write_step
+            self.write_rows = write_rows + layer_rows * write_step
         else:
             self.pages_dev = pages + layers32
-            self.write_page = write_page + layers64
+            self.write_rows = write_rows + layer_rows
 
     def layer_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """The batch's tables repeated for every layer, layer-major (entry `l * n + i` is
@@ -221,7 +223,7 @@ class PagedBatch:
         part.num_layers = 1
         part.pages = np.where(self.scratch_mask, self.pages, self.pages + layer)
         part.pages_dev = self.pages_dev[layer:layer + 1]
-        part.write_page = self.write_page[layer:layer + 1]
+        part.write_rows = self.write_rows[layer:layer + 1]
         return part
 
     def item_keys(self, windowed: bool) -> KeyIndex:
@@ -285,7 +287,7 @@ class CrossBatch(PagedBatch):
         self.tok_batch = np.repeat(np.arange(n, dtype=np.int64), counts)
         self.new_positions = (self.kv_len - 1)[self.tok_batch]
         self.new_tokens = self.rows = None
-        self.tok_rel = self.tok_page = self.write_page = self.write_slot = None
+        self.tok_rel = self.tok_page = self.write_rows = None
         self.device = device
         lay = np.asarray(layers, dtype=np.int64)[:, None]
         self.pages_dev, self.query_index = to_device(
@@ -337,22 +339,24 @@ class KeyIndex:
 
 def write_kv(kv: torch.Tensor, batch: PagedBatch, new_kv: torch.Tensor) -> None:
     """Write the computed tokens' K/V of every layer (`[L, n, 2, kv_heads, head_dim]`) into
-    their pages: one scatter for the whole batch (pages `[L, n]`, slots `[n]` broadcast)."""
-    # Raw bytes: any storage type (CPU indexing has no fp8 kernels), bit for bit.
-    kv.view(torch.uint8)[batch.write_page, :, batch.write_slot] = new_kv.view(torch.uint8)
+    their pages: one row copy for the whole batch, each token's K and V row at each layer
+    (`write_rows` `[L, n, 2]`, rows of `wide_rows(kv)`), bit for bit in any storage type."""
+    wide_rows(kv).index_copy_(0, batch.write_rows.view(-1), wide_rows(new_kv))
 
 
-_LAYER_RANGES: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_LAYER_RANGES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _layer_range(num_layers: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[[0], [1], ..., [L-1]]` on the device as int32 and int64, made once (a copy per step
-    would cost one)."""
-    key = (device, num_layers)
+def _layer_range(num_layers: int, rows_per_page: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[[0], [1], ..., [L-1]]` on the device as int32 (page offsets) and, times
+    `rows_per_page`, int64 `[L, 1, 1]` (row offsets), made once (a copy per step would cost
+    one)."""
+    key = (device, num_layers, rows_per_page)
     t = _LAYER_RANGES.get(key)
     if t is None:
         r = torch.arange(num_layers, dtype=torch.int64)[:, None]
-        t = _LAYER_RANGES[key] = (r.int().to(device), r.to(device))
+        t = _LAYER_RANGES[key] = (r.int().to(device), (r * rows_per_page)[:, :, None].to(device))
     return t
 
 

@@ -69,7 +69,7 @@ class _Layout:
         k = 0
         for o, n, torch_dtype, sizes, _ in self.groups:
             group = flat[o:o + n * _ITEMSIZE[torch_dtype]].view(torch_dtype)
-            parts = group.split(sizes) if len(sizes) > 1 else (group,)
+            parts = group.split_with_sizes(sizes) if len(sizes) > 1 else (group,)
             for part in parts:
                 i = self.order[k]
                 shape = self.shapes[i]

@@ -175,6 +175,24 @@ def test_host_tier_is_pinned_and_round_trips():
 
 
 @needs_flashinfer
+def test_opening_a_plane_pins_the_staging_ring(monkeypatch):
+    """Every slot of the pinned ring is pinned when the plane opens, so a run's first steps
+    (one slot each) stage their tables without pinning memory."""
+    from kvbench.kernels import staging
+
+    dp = plane(PoolSpec((0, 1), 16))
+    r = staging.ring(dp.device)
+    assert all(b is not None and b.is_pinned() and b.numel() >= staging.RESERVED_SLOT_BYTES
+               for b in r._bufs)
+    pinned = []
+    empty = torch.empty
+    monkeypatch.setattr(staging.torch, "empty", lambda *a, **k: pinned.append(k) or empty(*a, **k))
+    for i in range(staging.RING_SLOTS + 2):
+        check = dp.execute_step([], [StepItem(i, tokens(20, i), [i % 16, (i + 1) % 16], 0, 20)])
+    assert check.verified and not [k for k in pinned if k.get("pin_memory")]
+
+
+@needs_flashinfer
 def test_auto_picks_flashinfer_and_torch_backend_runs_on_cuda():
     class Model:
         num_layers, num_kv_heads, num_q_heads, head_dim, dtype = 2, 2, 8, 128, "bfloat16"

@@ -50,7 +50,7 @@ from .attention import CrossBatch, PagedBatch, write_kv
 from .copies import CopyExecutor
 from .model import ENCODER_SEED, SyntheticModel
 from .reference import TorchBackend
-from .staging import Upload
+from .staging import Upload, ring
 from .step import BackendUnavailable, Mismatch, ModelShape, PoolSpec, StepCheck, StepItem
 from .storage import QUERY_DTYPES, STORAGE_DTYPES, PoolTensors, make_pools
 from .verify import Check, Verifier, settle
@@ -119,6 +119,8 @@ class DataPlane:
             self.pools.append(PoolTensors(shape, cross, self.device))
         self._timed = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self._timed else None
+        if self._timed:
+            ring(self.device).reserve()
         self.copier = CopyExecutor(self.pools, self.device)
         self.model = SyntheticModel(shape, seed, self.device)
         self.backend = self._open_backend(backend, cross is not None)

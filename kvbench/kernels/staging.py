@@ -25,6 +25,10 @@ RING_SLOTS = 64
 """Pinned slots per device: more than the uploads in flight while the host runs two steps
 ahead (one per step, and five more per batch of a verified step)."""
 MIN_SLOT_BYTES = 64 * 1024
+RESERVED_SLOT_BYTES = 256 * 1024
+"""What `PinnedRing.reserve` pins per slot when a data plane opens (16 MiB in all): a decode
+step's tables many times over; a long prefill chunk's or a verified step's may still grow a
+slot."""
 _GROUPS = ((np.dtype(np.int64), torch.int64), (np.dtype(np.int32), torch.int32))
 """The dtypes a slot holds, widest first (every group starts 8-byte aligned)."""
 
@@ -94,6 +98,16 @@ class PinnedRing:
         self._events: list[torch.cuda.Event | None] = [None] * slots
         self._pending = [False] * slots
         self._next = 0
+
+    def reserve(self, nbytes: int = RESERVED_SLOT_BYTES) -> None:
+        """Pin every slot not pinned yet (`nbytes`) and make its event, before anything is
+        timed: pinning costs far more than the copies a slot serves, and a ring filled
+        lazily would pay it in a run's first `RING_SLOTS` steps."""
+        for slot, buf in enumerate(self._bufs):
+            if buf is None:
+                self._bufs[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            if self._events[slot] is None:
+                self._events[slot] = torch.cuda.Event()
 
     def stage(self, arrays: Sequence[np.ndarray]) -> tuple[int, torch.Tensor, _Layout]:
         """Copy `arrays` (int64 or int32) into the next free slot: (slot, the slot's uint8

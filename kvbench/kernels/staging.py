@@ -153,10 +153,16 @@ _RINGS: dict[torch.device, PinnedRing] = {}
 
 
 def ring(device: torch.device) -> PinnedRing:
-    """The device's staging ring (CUDA only)."""
+    """The device's staging ring (CUDA only), one per GPU however it is named (`cuda` and a
+    tensor's `cuda:0` are one device)."""
     r = _RINGS.get(device)
     if r is None:
-        r = _RINGS[device] = PinnedRing(device)
+        key = device if device.index is not None else torch.device(
+            device.type, torch.cuda.current_device())
+        r = _RINGS.get(key)
+        if r is None:
+            r = _RINGS[key] = PinnedRing(key)
+        _RINGS[device] = r
     return r
 
 

@@ -6,7 +6,9 @@ takes victims as runs from a FIFO's head while their stamp stays within bounds. 
 released list itself, a block's only field is the run holding it, and a victim costs a slice
 and one write. A claim takes a block out of the middle of its run in O(1): the run counts its
 blocks still queued, and a run with holes is filtered when its turn comes (a block claimed
-and queued again sits in a newer run; the older one skips it).
+and queued again sits in a newer run; the older one skips it). A run may carry its blocks'
+keys (a slice of the release's, which the policy read anyway): a victim's key is then a
+slice too, not a record read per block (S3-FIFO's ghosts are its small FIFO's victims' keys).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from collections import deque
 
 from ..ids import BlockId
 
-_BLOCKS, _START, _STAMP, _FIFO, _LIVE = range(5)
+_BLOCKS, _START, _STAMP, _FIFO, _LIVE, _KEYS = range(6)
 """A run: [its blocks in queue order (owned, never changed), the position of its first block
-not yet taken, its stamp, its FIFO, how many of blocks[start:] are still queued in it]."""
+not yet taken, its stamp, its FIFO, how many of blocks[start:] are still queued in it, the
+blocks' keys (owned, in the same order) or None]."""
 
 _SLACK = 64
 """Dead runs and taken or claimed entries a FIFO may hold beyond twice its blocks before it
@@ -51,13 +54,16 @@ class RunQueue:
     def __contains__(self, block: BlockId) -> bool:
         return self._where[block] is not None
 
-    def push_run(self, blocks: list[BlockId], fifo: int, stamp: int) -> None:
-        """Append `blocks` in order to FIFO `fifo` as one run stamped `stamp`. The queue keeps
-        `blocks`: the caller must not change it."""
+    def push_run(self, blocks: list[BlockId], fifo: int, stamp: int, keys: list | None = None
+                 ) -> None:
+        """Append `blocks` in order to FIFO `fifo` as one run stamped `stamp`, with their
+        `keys` if given (what the queue hands back with them as victims; a queued block's
+        data does not change). The queue keeps both lists: the caller must not change them."""
         if not blocks:
             return
         n = len(blocks)
-        run = [blocks, 0, stamp, fifo, n]
+        assert keys is None or len(keys) == n
+        run = [blocks, 0, stamp, fifo, n, keys]
         where = self._where
         for b in blocks:
             where[b] = run
@@ -83,19 +89,20 @@ class RunQueue:
         self._size -= 1
         return fifo
 
-    def pop_upto(self, fifo: int, n: int, max_stamp: int, min_stamp: int = 0
-                 ) -> list[BlockId]:
+    def pop_upto(self, fifo: int, n: int, max_stamp: int, min_stamp: int = 0,
+                 keys: list | None = None) -> list[BlockId]:
         """Up to `n` blocks from the front of FIFO `fifo` while their stamps stay within
-        `[min_stamp, max_stamp]`, in order (`last_stamp`: the last one's stamp)."""
+        `[min_stamp, max_stamp]`, in order (`last_stamp`: the last one's stamp). With `keys`,
+        their keys are appended to it in the same order (their runs must carry keys)."""
         out: list[BlockId] = []
-        self._take(fifo, n, min_stamp, max_stamp, out, None)
+        self._take(fifo, n, min_stamp, max_stamp, out, None, keys)
         return out
 
     def pop_runs(self, fifo: int, n: int, max_stamp: int, min_stamp: int = 0
                  ) -> list[tuple[list[BlockId], int]]:
         """`pop_upto` as pieces `(blocks, stamp)`, one per run taken from."""
         pieces: list[tuple[list[BlockId], int]] = []
-        self._take(fifo, n, min_stamp, max_stamp, None, pieces)
+        self._take(fifo, n, min_stamp, max_stamp, None, pieces, None)
         return pieces
 
     def head_stamps(self, fifos: list[int]) -> list[int]:
@@ -134,12 +141,12 @@ class RunQueue:
                 if where[b] is run]
 
     def _take(self, fifo: int, n: int, lo: int, hi: int, out: list | None,
-              pieces: list | None) -> None:
+              pieces: list | None, keys_out: list | None) -> None:
         runs, where = self._runs[fifo], self._where
         held = k = 0
         while n and runs:
             run = runs[0]
-            blocks, start, stamp, _, live = run
+            blocks, start, stamp, _, live, keys = run
             if not live:  # every block left by a claim
                 runs.popleft()
                 held += len(blocks) - start
@@ -151,14 +158,18 @@ class RunQueue:
                 stop = start + n if n < live else end
                 taken = blocks[start:stop] if start or stop < end else blocks
                 live -= len(taken)
+                if keys_out is not None:
+                    keys_out += keys[start:stop]
             else:
                 taken = []
                 i = start
                 while i < end and len(taken) < n:
                     b = blocks[i]
-                    i += 1
                     if where[b] is run:
                         taken.append(b)
+                        if keys_out is not None:
+                            keys_out.append(keys[i])
+                    i += 1
                 stop = i
                 live -= len(taken)
                 if not live:  # only holes after it
@@ -191,21 +202,32 @@ class RunQueue:
         for run in self._runs[fifo]:
             if not run[_LIVE]:
                 continue
-            blocks = run[_BLOCKS]
-            if run[_LIVE] < len(blocks) - run[_START]:
-                run[_BLOCKS] = [b for b in blocks[run[_START]:] if where[b] is run]
+            blocks, start, keys = run[_BLOCKS], run[_START], run[_KEYS]
+            if run[_LIVE] < len(blocks) - start:
+                live = [i for i in range(start, len(blocks)) if where[blocks[i]] is run]
+                run[_BLOCKS] = [blocks[i] for i in live]
+                if keys is not None:
+                    run[_KEYS] = [keys[i] for i in live]
                 run[_START] = 0
             runs.append(run)
         self._runs[fifo] = runs
         self._held[fifo] = self._count[fifo]
 
-    def _check_sanity(self) -> bool:
+    def _check_sanity(self, key_of=None, keyed: int = 0) -> bool:
+        """With `key_of`, a run's keys are its queued blocks' `key_of(block)`; the runs of
+        the FIFOs set in the mask `keyed` carry keys."""
         queued = 0
         for q, runs in enumerate(self._runs):
             live = held = 0
             for run in runs:
-                blocks, start, _, fifo, n = run
+                blocks, start, _, fifo, n, keys = run
                 assert fifo == q and 0 <= start <= len(blocks)
+                assert keys is not None or not keyed >> q & 1, "a run without keys"
+                if keys is not None:
+                    assert len(keys) == len(blocks)
+                    assert key_of is None or all(
+                        keys[i] == key_of(blocks[i]) for i in range(start, len(blocks))
+                        if self._where[blocks[i]] is run), "a run's keys are not its blocks'"
                 assert n == sum(self._where[b] is run for b in blocks[start:])
                 live += n
                 held += len(blocks) - start

@@ -77,7 +77,8 @@ class _TwoQueues:
         """To the back of its queue at level `priority` (its retention ended; not a use)."""
         q = self.queue
         stamp = q.stamp_of(block)
-        q.push_run([block], 2 * priority + (q.remove(block) & 1), stamp)
+        q.push_run([block], 2 * priority + (q.remove(block) & 1), stamp,
+                   [record_key(self.index.stored[block])])
 
     def remove(self, block: BlockId) -> None:
         """A claim: the block is in use (a hit, or a partial match being taken)."""
@@ -113,14 +114,17 @@ class _TwoQueues:
         return same
 
     def _queue_split(self, blocks: list[BlockId], second: list, priority: int,
-                     stamp: int = 0) -> None:
+                     stamp: int = 0, keys: list | None = None) -> None:
         """Append `blocks` in order to the queues at level `priority`, as runs stamped
-        `stamp`: those with `second[i]` set to the second queue, the others to the first."""
+        `stamp`: those with `second[i]` set to the second queue, the others to the first
+        (with their `keys`, if given: the first queue's victims' keys are read)."""
         queue = self.queue
         if not any(second):
-            queue.push_run(blocks, 2 * priority, stamp)
+            queue.push_run(blocks, 2 * priority, stamp, keys)
             return
-        queue.push_run(list(compress(blocks, map(not_, second))), 2 * priority, stamp)
+        first = list(map(not_, second))
+        queue.push_run(list(compress(blocks, first)), 2 * priority, stamp,
+                       None if keys is None else list(compress(keys, first)))
         run = list(compress(blocks, second))
         queue.push_run(run, 2 * priority + 1, stamp)
         self.num_second += len(run)
@@ -282,17 +286,20 @@ class S3FIFOPolicy(_TwoQueues):
 
     def _check_sanity(self) -> bool:
         assert super()._check_sanity() and self.history._check_sanity()
+        assert self.queue._check_sanity(self.index.key_of, _FIRST)  # victims' keys: ghosts
         top = self.params.max_freq
         assert all(self.queue.stamp_of(b) <= top for b in range(len(self._freq))
                    if b in self.queue)
         return True
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
-        # New data enters the main FIFO if its key is a ghost, else the small one.
-        second = self.history.contains(release_keys(self.index, blocks))
+        # New data enters the main FIFO if its key is a ghost, else the small one. The small
+        # FIFO's runs keep their keys: its victims' keys become ghosts.
+        keys = release_keys(self.index, blocks)
+        second = self.history.contains(keys)
         same = self._returned(blocks)
         if not same:
-            self._queue_split(blocks, second, priority)
+            self._queue_split(blocks, second, priority, 0, keys)
             return
         # Returns are accesses: each goes back to the FIFO it left, its count one higher.
         # The release is queued in pieces of one count: new data between the returns.
@@ -304,20 +311,21 @@ class S3FIFOPolicy(_TwoQueues):
             second[i] = left - 1
             if piece and (piece[1] < i or piece[2] != count):
                 self._queue_split(blocks[piece[0]:piece[1]], second[piece[0]:piece[1]],
-                                  priority, piece[2])
+                                  priority, piece[2], keys[piece[0]:piece[1]])
                 piece = []
             if start < i and not piece:
-                self._queue_split(blocks[start:i], second[start:i], priority)
+                self._queue_split(blocks[start:i], second[start:i], priority, 0,
+                                  keys[start:i])
             piece = [piece[0] if piece else i, i + 1, count]
             start = i + 1
         self._queue_split(blocks[piece[0]:piece[1]], second[piece[0]:piece[1]], priority,
-                          piece[2])
+                          piece[2], keys[piece[0]:piece[1]])
         if start < len(blocks):
-            self._queue_split(blocks[start:], second[start:], priority)
+            self._queue_split(blocks[start:], second[start:], priority, 0, keys[start:])
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
-        queue, stored = self.queue, self.index.stored
+        queue = self.queue
         ghosts: list = []
         """Keys evicted from the small FIFO, in order: recorded when the call ends (nothing
         reads the history meanwhile)."""
@@ -330,9 +338,8 @@ class S3FIFOPolicy(_TwoQueues):
                 # The small FIFO's unaccessed heads are evicted as one run (down to its target
                 # size while the main FIFO has blocks at this level); an accessed head moves.
                 k = n - len(out) if lf < ls else min(n - len(out), num_first - self._target)
-                run = queue.pop_upto(fs, k, 0)
-                if run:  # their keys become ghosts
-                    ghosts += map(record_key, map(stored.__getitem__, run))
+                run = queue.pop_upto(fs, k, 0, 0, ghosts)  # their keys become ghosts
+                if run:
                     out += run
                 else:
                     # Accessed heads move to the main FIFO's tail as a run, their counts

@@ -13,7 +13,8 @@ from kvbench.cache.manager import CacheSpec, KVCacheManager
 from kvbench.cache.policies import (POLICIES, POLICY_NAMES, GDSFParams, LRU2Params,
                                     PredictiveParams, S3FIFOParams, SLRUParams)
 from kvbench.cache.policies import base as policy_base
-from kvbench.cache.policies.segments import GhostKeys
+from kvbench.cache.ids import Retention, TokenRangeRetention
+from kvbench.cache.policies.segments import GhostKeys, spread_key
 from kvbench.traffic.request import Request
 from strategies import related_prompts
 from test_cache_manager import DataCheckingDriver, interleavings
@@ -533,6 +534,52 @@ def test_ghost_keys_remember_as_a_key_history(capacity, batches):
     if len(ghosts):
         with pytest.raises(AssertionError):
             ghosts.record([ghosts._order[-1]])
+
+
+def test_spread_keys_are_a_bijection_of_the_keys():
+    """S3-FIFO's ghosts are spread keys: the numpy pass over a release and the one-key form
+    agree, and spreading is undone by its inverse (same membership as the keys)."""
+    rng = np.random.default_rng(7)
+    keys = np.concatenate([rng.integers(-(1 << 63), (1 << 63) - 1, 500, dtype=np.int64),
+                           np.array([0, -1, (1 << 63) - 1, -(1 << 63), 64, 1 << 24])])
+    u = keys.view(np.uint64)
+    fast = (u ^ (u >> np.uint64(24))).view(np.int64).tolist()
+    assert fast == [spread_key(k) for k in keys.tolist()]
+    assert len(set(fast)) == len(set(keys.tolist()))
+    for k, s in zip(keys.tolist(), fast):  # x ^ (x >> 24) ^ (x >> 48) undoes it on 64 bits
+        v = s & ((1 << 64) - 1)
+        v ^= (v >> 24) ^ (v >> 48)
+        assert v == k & ((1 << 64) - 1)
+    assert spread_key(None) is None
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_retention_expiry_requeues_with_every_policy(name):
+    """A free block whose retention duration ends moves to the default level (`requeue`, not
+    a use) and the policy stays consistent (S3-FIFO's small FIFO keeps each queued block's
+    ghost key for its eviction)."""
+    ret = Retention((TokenRangeRetention(0, 4, 90, 500.0),))
+    m = KVCacheManager(CacheSpec(2, 6, enable_partial_reuse=False, eviction_policy=name))
+    m.enable_sanity_tracking()
+    fq = m.gpu.free_queue
+    m.refresh(0.0)
+    first = Request(next(_ids), 0.0, 7, 1, tokens=np.array([1, 2, 3, 4, 5, 6, 9]),
+                    retention=ret)
+    _cache(m, first)
+    assert sorted(m.priority[b] for b in range(6) if b in fq) == [35, 90, 90]
+    m.refresh(0.6)
+    assert [m.priority[b] for b in range(6) if b in fq] == [35, 35, 35]
+    assert fq._check_sanity() and m._check_sanity()
+    for tokens in ([7, 8, 10, 11, 12, 13, 9], [14, 15, 16, 17, 18, 19, 9], [1, 2, 3, 4, 9]):
+        _cache(m, req(tokens))
+        assert fq._check_sanity() and m._check_sanity()
+
+
+def _cache(m, request):
+    seq = m.add_sequence(request)
+    assert m.resize(seq, request.input_length)
+    m.commit(seq, request.input_length)
+    m.release(seq)
 
 
 # --- LRU untouched, serve mode, requests.skip, tune --holdout ---------------------------------

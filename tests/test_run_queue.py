@@ -14,7 +14,7 @@ FIFOS = 3
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("push"), st.lists(st.integers(0, CAP - 1), max_size=5, unique=True),
-                  st.integers(0, FIFOS - 1), st.integers(0, 2)),
+                  st.integers(0, FIFOS - 1), st.integers(0, 2), st.booleans()),
         st.tuples(st.just("remove"), st.integers(0, 99)),  # the i-th queued block, cyclically
         st.tuples(st.just("pop"), st.integers(0, FIFOS - 1), st.integers(0, 6),
                   st.integers(0, 4), st.integers(0, 12), st.booleans()),
@@ -34,23 +34,32 @@ def test_matches_a_list_per_fifo(slack, monkeypatch):
     @given(ops)
     def check(operations):
         q = RunQueue(CAP, FIFOS)
-        model: list[list[tuple[int, int]]] = [[] for _ in range(FIFOS)]  # (block, stamp)
+        # (block, stamp, key): a run pushed with keys gives each block the key
+        # 100 * pushes + block (None without), what `pop_upto` must hand back with it.
+        model: list[list[tuple[int, int, int | None]]] = [[] for _ in range(FIFOS)]
         clock = [0] * FIFOS
+        pushes = 0
+        key_of = {}
         for op in operations:
-            queued = {b for fifo in model for b, _ in fifo}
+            queued = {b for fifo in model for b, _, _ in fifo}
             if op[0] == "push":
-                _, blocks, fifo, step = op
+                _, blocks, fifo, step, keyed = op
                 blocks = [b for b in blocks if b not in queued]
                 clock[fifo] += step
-                q.push_run(list(blocks), fifo, clock[fifo] % 5)  # stamps in any order
-                model[fifo] += [(b, clock[fifo] % 5) for b in blocks]
+                pushes += 1
+                keys = [100 * pushes + b for b in blocks] if keyed else None
+                q.push_run(list(blocks), fifo, clock[fifo] % 5,  # stamps in any order
+                           None if keys is None else list(keys))
+                model[fifo] += [(b, clock[fifo] % 5, k)
+                                for b, k in zip(blocks, keys or [None] * len(blocks))]
+                key_of.update(zip(blocks, keys or []))
             elif op[0] == "remove":
                 if not queued:
                     continue
                 b = sorted(queued)[op[1] % len(queued)]
-                fifo = next(f for f in range(FIFOS) if any(x == b for x, _ in model[f]))
+                fifo = next(f for f in range(FIFOS) if any(x == b for x, _, _ in model[f]))
                 assert q.remove(b) == fifo
-                model[fifo] = [(x, s) for x, s in model[fifo] if x != b]
+                model[fifo] = [e for e in model[fifo] if e[0] != b]
             else:
                 _, fifo, n, low, high, pieces = op
                 want = []
@@ -59,23 +68,29 @@ def test_matches_a_list_per_fifo(slack, monkeypatch):
                 if pieces:  # one per run: the blocks and their stamp
                     got = [(b, stamp) for run, stamp in q.pop_runs(fifo, n, high, low)
                            for b in run]
-                    assert got == want
+                    assert got == [(b, stamp) for b, stamp, _ in want]
+                elif all(k is not None for _, _, k in want):  # their keys with them
+                    keys = ["before"]
+                    assert q.pop_upto(fifo, n, high, low, keys) == [b for b, _, _ in want]
+                    assert keys == ["before"] + [k for _, _, k in want]
                 else:
-                    assert q.pop_upto(fifo, n, high, low) == [b for b, _ in want]
-                    if want:
-                        assert q.last_stamp == want[-1][1]
-            assert q._check_sanity()
+                    assert q.pop_upto(fifo, n, high, low) == [b for b, _, _ in want]
+                if want and not pieces:
+                    assert q.last_stamp == want[-1][1]
+            keyed_fifos = sum(1 << f for f in range(FIFOS)
+                              if all(k is not None for _, _, k in model[f]))
+            assert q._check_sanity(key_of.get, keyed_fifos)
             assert len(q) == sum(map(len, model))
             busy = [f for f in range(FIFOS) if model[f]]
             assert q.lowest_fifo() == (busy[0] if busy else -1)
             assert q.lowest_fifo(0b110) == next((f for f in busy if f), -1)
             for fifo in range(FIFOS):
-                assert q.fifo_order(fifo) == [b for b, _ in model[fifo]]
+                assert q.fifo_order(fifo) == [b for b, _, _ in model[fifo]]
                 assert bool(q.nonempty_mask() >> fifo & 1) == bool(model[fifo])
                 if model[fifo]:
                     assert q.head_stamps([fifo]) == [model[fifo][0][1]]
             for b in range(CAP):
-                where = [f for f in range(FIFOS) if any(x == b for x, _ in model[f])]
+                where = [f for f in range(FIFOS) if any(x == b for x, _, _ in model[f])]
                 assert q.fifo_of(b) == (where[0] if where else -1)
                 assert (b in q) == bool(where)
 

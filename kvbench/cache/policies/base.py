@@ -70,20 +70,6 @@ def chain_keys(index: PrefixIndex, blocks: list[BlockId]) -> tuple[np.ndarray, b
                        len(chain)), partial
 
 
-def release_keys(index: PrefixIndex, blocks: list[BlockId]) -> list:
-    """The keys of a release's `blocks` (one sequence's, deepest first) in their order, None
-    for a partial block: a list slice when they are one run of positions (`chain_keys`)."""
-    partial, run = _one_run(index, blocks)
-    if run is None:
-        return list(map(record_key, map(index.stored.__getitem__, blocks)))
-    source, start, end = run
-    keys = source.block_keys(index.tpb)[start:end]
-    keys.reverse()
-    if partial:
-        keys.insert(0, None)
-    return keys
-
-
 def _one_run(index: PrefixIndex, blocks: list[BlockId]
              ) -> tuple[bool, tuple[object, int, int] | None]:
     """Whether the deepest of a release's `blocks` is partial, and when its full ones are one

@@ -214,15 +214,15 @@ class RunQueue:
         self._held[fifo] = self._count[fifo]
 
     def _check_sanity(self, key_of=None, keyed: int = 0) -> bool:
-        """With `key_of`, a run's keys are its queued blocks' `key_of(block)`; the runs of
-        the FIFOs set in the mask `keyed` carry keys."""
+        """With `key_of`, a run's keys are its queued blocks' `key_of(block)`; the runs that
+        hold blocks in the FIFOs set in the mask `keyed` carry keys."""
         queued = 0
         for q, runs in enumerate(self._runs):
             live = held = 0
             for run in runs:
                 blocks, start, _, fifo, n, keys = run
                 assert fifo == q and 0 <= start <= len(blocks)
-                assert keys is not None or not keyed >> q & 1, "a run without keys"
+                assert keys is not None or not n or not keyed >> q & 1, "a run without keys"
                 if keys is not None:
                     assert len(keys) == len(blocks)
                     assert key_of is None or all(

@@ -21,13 +21,42 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import TICK_SHIFT, KeyHistory, chain_keys, record_key, release_keys
+from .base import TICK_SHIFT, KeyHistory, chain_keys, record_key
 from .run_queue import RunQueue
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
 """FIFO mask of the first queue (class 0) at every level."""
 _SECOND = _FIRST << 1
 """FIFO mask of the second queue (class 1) at every level."""
+# S3-FIFO's ghosts are a set of keys, spread first. A Python set probes from the low bits of
+# an int's hash, the int itself, and trace keys pack (hash id << 24 | prefix end): their low
+# bits are the prefix end, shared by every request at that depth, so ghosts of one depth
+# chained in the set (set lookups were 3x the instructions). Xor-shifting the high bits down
+# is a bijection on 64 bits: the same membership, well spread.
+_SPREAD = np.array(24, np.uint64)
+_U64 = (1 << 64) - 1
+
+
+def spread_key(key: int | None) -> int | None:
+    """A block key (int64) spread as its ghost: `key ^ (key >> 24)` on its 64 bits, as
+    int64 (`spread_keys` for one key; None for a partial block)."""
+    if key is None:
+        return None
+    u = key & _U64
+    u ^= u >> 24
+    return u - (1 << 64) if u >> 63 else u
+
+
+def spread_keys(index: PrefixIndex, blocks: list[BlockId]) -> list:
+    """The spread keys of a release's `blocks` (one sequence's, deepest first) in their
+    order, None for a partial block: one numpy pass over the `chain_keys` slice."""
+    known, partial = chain_keys(index, blocks)
+    u = known.view(np.uint64)
+    keys = (u ^ (u >> _SPREAD)).view(np.int64).tolist()
+    keys.reverse()
+    if partial:
+        keys.insert(0, None)
+    return keys
 
 
 class _TwoQueues:
@@ -78,7 +107,7 @@ class _TwoQueues:
         q = self.queue
         stamp = q.stamp_of(block)
         q.push_run([block], 2 * priority + (q.remove(block) & 1), stamp,
-                   [record_key(self.index.stored[block])])
+                   [spread_key(record_key(self.index.stored[block]))])
 
     def remove(self, block: BlockId) -> None:
         """A claim: the block is in use (a hit, or a partial match being taken)."""
@@ -226,10 +255,11 @@ class GhostKeys:
         """Whether each of `keys` (None: never) is remembered."""
         return list(map(self._keys.__contains__, keys))
 
-    def record(self, keys: list) -> None:
-        """Record each of `keys` (distinct, none remembered; None is skipped) at its own
-        tick."""
-        known = keys if None not in keys else [k for k in keys if k is not None]
+    def record(self, keys: list, keyless: bool = True) -> None:
+        """Record each of `keys` (distinct, none remembered) at its own tick; with `keyless`
+        they may hold None (a partial block), which is skipped (looking costs a comparison
+        per key)."""
+        known = keys if not keyless or None not in keys else [k for k in keys if k is not None]
         remembered, order = self._keys, self._order
         most = 2 * self.capacity
         while known:
@@ -249,6 +279,7 @@ class GhostKeys:
     def _check_sanity(self) -> bool:
         assert len(self._order) == len(self._keys) == len(set(self._order))
         assert set(self._order) == self._keys and len(self._keys) <= 2 * self.capacity
+        assert None not in self._keys, "a partial block (no key) recorded"
         return True
 
 
@@ -271,7 +302,7 @@ class S3FIFOPolicy(_TwoQueues):
     Otherwise from the main FIFO: a head accessed since its last pass gets its count lowered
     and goes back to the tail (second chance), else it is evicted."""
 
-    __slots__ = ("params", "_target")
+    __slots__ = ("params", "_target", "_keyless")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: S3FIFOParams) -> None:
@@ -279,6 +310,9 @@ class S3FIFOPolicy(_TwoQueues):
                          GhostKeys(int(params.history_ratio * capacity)))
         self.params = params
         self._target = max(1, int(params.small_ratio * capacity))
+        self._keyless = False
+        """Whether a partial block (no key) was ever queued: only then may victims' keys
+        hold None (with partial reuse on)."""
         # A queued block's access count (since it entered its FIFO or last went round) is
         # its run's stamp (`_freq` once claimed): counts change only when a block is queued
         # again, so a release is queued as runs of one count each (new data counts 0: all of
@@ -286,7 +320,8 @@ class S3FIFOPolicy(_TwoQueues):
 
     def _check_sanity(self) -> bool:
         assert super()._check_sanity() and self.history._check_sanity()
-        assert self.queue._check_sanity(self.index.key_of, _FIRST)  # victims' keys: ghosts
+        # The small FIFO's runs carry their blocks' spread keys: its victims' become ghosts.
+        assert self.queue._check_sanity(lambda b: spread_key(self.index.key_of(b)), _FIRST)
         top = self.params.max_freq
         assert all(self.queue.stamp_of(b) <= top for b in range(len(self._freq))
                    if b in self.queue)
@@ -294,8 +329,10 @@ class S3FIFOPolicy(_TwoQueues):
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
         # New data enters the main FIFO if its key is a ghost, else the small one. The small
-        # FIFO's runs keep their keys: its victims' keys become ghosts.
-        keys = release_keys(self.index, blocks)
+        # FIFO's runs keep their (spread) keys: its victims' keys become ghosts.
+        keys = spread_keys(self.index, blocks)
+        if keys[0] is None:
+            self._keyless = True
         second = self.history.contains(keys)
         same = self._returned(blocks)
         if not same:
@@ -357,5 +394,5 @@ class S3FIFOPolicy(_TwoQueues):
                     for moved, count in queue.pop_runs(fm, len(queue), 255, 1):
                         queue.push_run(moved, fm, count - 1)
         if ghosts:
-            self.history.record(ghosts)
+            self.history.record(ghosts, self._keyless)
         return out

@@ -1,5 +1,6 @@
 """RunQueue (the class policies' FIFOs): the same blocks in the same order as a list per FIFO,
-claims from the middle of runs, compaction, and its invariants after every operation."""
+claims from the middle of runs, runs moved between FIFOs, keys handed back with victims,
+compaction, and its invariants after every operation."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +19,8 @@ ops = st.lists(
         st.tuples(st.just("remove"), st.integers(0, 99)),  # the i-th queued block, cyclically
         st.tuples(st.just("pop"), st.integers(0, FIFOS - 1), st.integers(0, 6),
                   st.integers(0, 4), st.integers(0, 12), st.booleans()),
+        st.tuples(st.just("move"), st.integers(0, FIFOS - 1), st.integers(1, FIFOS - 1),
+                  st.integers(0, 8), st.integers(0, 4), st.integers(0, 12), st.integers(0, 4)),
     ),
     min_size=20,
     max_size=60,
@@ -60,6 +63,14 @@ def test_matches_a_list_per_fifo(slack, monkeypatch):
                 fifo = next(f for f in range(FIFOS) if any(x == b for x, _, _ in model[f]))
                 assert q.remove(b) == fifo
                 model[fifo] = [e for e in model[fifo] if e[0] != b]
+            elif op[0] == "move":  # to another FIFO, restamped, keys kept
+                _, src, shift, n, low, high, stamp = op
+                dst = (src + shift) % FIFOS
+                want = []
+                while model[src] and len(want) < n and low <= model[src][0][1] <= high:
+                    want.append(model[src].pop(0))
+                assert q.move_upto(src, dst, n, stamp, high, low) == len(want)
+                model[dst] += [(b, stamp, k) for b, _, k in want]
             else:
                 _, fifo, n, low, high, pieces = op
                 want = []
@@ -109,3 +120,18 @@ def test_a_claimed_block_queued_again_is_skipped_in_its_old_run():
     assert len(q) == 0 and q.nonempty_mask() == 0 and q._check_sanity()
     with pytest.raises(AssertionError):
         q.remove(3)
+
+
+def test_move_skips_a_dead_run_whatever_its_stamp():
+    """As `pop_upto`: a run whose blocks were all claimed is dropped, not a stamp bound."""
+    q = RunQueue(8, 2)
+    q.push_run([1, 2], 0, 9, [11, 12])
+    q.remove(1)
+    q.remove(2)
+    q.push_run([3, 4, 5], 0, 0, [13, 14, 15])
+    assert q.move_upto(0, 1, 2, 7, 0) == 2  # the dead run, then [3, 4] split off
+    assert q.fifo_order(0) == [5] and q.fifo_order(1) == [3, 4]
+    keys = []
+    assert q.pop_upto(1, 9, 7, 7, keys) == [3, 4] and keys == [13, 14]
+    assert q.move_upto(0, 1, 9, 3, 0) == 1 and q.head_stamps([1]) == [3]
+    assert len(q) == 1 and q._check_sanity(lambda b: b + 10, 0b11)

@@ -105,6 +105,46 @@ class RunQueue:
         self._take(fifo, n, min_stamp, max_stamp, None, pieces, None)
         return pieces
 
+    def move_upto(self, src: int, dst: int, n: int, stamp: int, max_stamp: int,
+                  min_stamp: int = 0) -> int:
+        """`pop_upto(src, n, max_stamp, min_stamp)` appended in order to FIFO `dst` (not
+        `src`) stamped `stamp`; returns how many blocks moved. Whole runs move as they are,
+        keys and holes with them (no per-block work: their blocks still name them); only a
+        run taken in part is split."""
+        assert src != dst
+        runs, to = self._runs[src], self._runs[dst]
+        moved = held = 0
+        while n and runs:
+            run = runs[0]
+            live = run[_LIVE]
+            if live and (live > n or not min_stamp <= run[_STAMP] <= max_stamp):
+                break
+            runs.popleft()
+            entries = len(run[_BLOCKS]) - run[_START]
+            held += entries
+            if live:  # a dead run (every block claimed) is dropped
+                run[_STAMP] = stamp
+                run[_FIFO] = dst
+                to.append(run)
+                self._held[dst] += entries
+                moved += live
+                n -= live
+        self._held[src] -= held
+        if moved:
+            self._count[dst] += moved
+            self._nonempty |= 1 << dst
+            left = self._count[src] = self._count[src] - moved
+            if not left:
+                self._nonempty &= ~(1 << src)
+        if n and runs and min_stamp <= runs[0][_STAMP] <= max_stamp:  # a run in part
+            keys = None if runs[0][_KEYS] is None else []
+            taken = self.pop_upto(src, n, max_stamp, min_stamp, keys)
+            self.push_run(taken, dst, stamp, keys)
+            moved += len(taken)
+        elif self._held[dst] > 2 * self._count[dst] + _SLACK:
+            self._compact(dst)
+        return moved
+
     def head_stamps(self, fifos: list[int]) -> list[int]:
         """The stamp of the first queued block of each of `fifos` (each must hold one)."""
         out = []

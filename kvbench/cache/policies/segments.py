@@ -151,10 +151,18 @@ class _TwoQueues:
         if not any(second):
             queue.push_run(blocks, 2 * priority, stamp, keys)
             return
-        first = list(map(not_, second))
-        queue.push_run(list(compress(blocks, first)), 2 * priority, stamp,
-                       None if keys is None else list(compress(keys, first)))
-        run = list(compress(blocks, second))
+        flags = bytes(second)
+        cut = flags.find(1)
+        if flags.count(1, cut) == len(blocks) - cut:
+            # Mostly the second queue's are a tail (a chain's blocks used before are its
+            # shallowest, last here): two slices.
+            queue.push_run(blocks[:cut], 2 * priority, stamp, None if keys is None else keys[:cut])
+            run = blocks[cut:]
+        else:
+            first = list(map(not_, second))
+            queue.push_run(list(compress(blocks, first)), 2 * priority, stamp,
+                           None if keys is None else list(compress(keys, first)))
+            run = list(compress(blocks, second))
         queue.push_run(run, 2 * priority + 1, stamp)
         self.num_second += len(run)
 
@@ -210,12 +218,11 @@ class SLRUPolicy(_TwoQueues):
         self._queue_split(blocks, seen, priority)
         queue = self.queue
         excess = self.num_second - self._cap
-        while excess > 0:  # demote protected's LRU end, one run per level
+        while excess > 0:  # demote protected's LRU end, level by level
             fifo = queue.lowest_fifo(_SECOND)
-            run = queue.pop_upto(fifo, excess, 0)
-            queue.push_run(run, fifo - 1, 0)
-            self.num_second -= len(run)
-            excess -= len(run)
+            moved = queue.move_upto(fifo, fifo - 1, excess, 0, 0)
+            self.num_second -= moved
+            excess -= moved
 
     def pop_front_many(self, n: int) -> list[BlockId]:
         out: list[BlockId] = []
@@ -382,9 +389,9 @@ class S3FIFOPolicy(_TwoQueues):
                     # Accessed heads move to the main FIFO's tail as a run, their counts
                     # cleared: after the first, each one moves while the small FIFO holds
                     # more than its target.
-                    moved = queue.pop_upto(fs, max(1, num_first - self._target), 255, 1)
-                    queue.push_run(moved, fs + 1, 0)
-                    self.num_second += len(moved)
+                    self.num_second += queue.move_upto(fs, fs + 1,
+                                                       max(1, num_first - self._target), 0,
+                                                       255, 1)
             else:
                 run = queue.pop_upto(fm, n - len(out), 0)
                 if run:

@@ -23,8 +23,10 @@ def run_workload(workload: Workload, progress: ProgressFactory | None = None) ->
     """Run every variant of `workload` on the same request stream (reloaded only when a
     variant changes the requests or the seed, or needs it in memory where another streamed
     it)."""
-    return [(run_serve if plan.workload.run.mode == "serve" else run_cache)(
-        name, plan, requests, progress) for name, plan, requests in _variants(workload)]
+    references: dict = {}  # cache mode's, shared by variants on the same request objects
+    return [run_serve(name, plan, requests, progress) if plan.workload.run.mode == "serve"
+            else run_cache(name, plan, requests, progress, references)
+            for name, plan, requests in _variants(workload)]
 
 
 def check_workload(workload: Workload) -> None:

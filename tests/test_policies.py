@@ -623,6 +623,41 @@ def test_policy_runs_report_lru_reference_and_gap(tmp_path, name):
         assert m["gap_closed"] == 0
 
 
+def test_variants_share_the_references_they_have_in_common(tmp_path, monkeypatch):
+    """One workload's variants compute the optimal/ideal references once per cache size and
+    reuse rules, and the LRU reference once per LRU run, with the results of separate runs."""
+    import kvbench.modes.cache as cache_mode
+    from kvbench.config import load_workload
+    from kvbench.runner import run_workload
+
+    variants = [["cache.eviction_policy=slru"], ["cache.eviction_policy=gdsf"],
+                ["cache.eviction_policy=gdsf", "cache.policy.gdsf.history_ratio=2"],
+                ["cache.eviction_policy=gdsf", "cache.max_tokens=2048"],
+                ["cache.eviction_policy=lru2", "cache.enable_partial_reuse=false"],
+                ["cache.admission=second_use"]]
+    path = _workload(tmp_path)
+    path.write_text(path.read_text() + "variants:\n" + "".join(
+        f"  - {{name: v{i}, set: {{{', '.join(s.replace('=', ': ') for s in sets)}}}}}\n"
+        for i, sets in enumerate(variants)))
+    calls = {"optimal": 0, "lru": 0}
+    for name, attr in (("optimal", "reference_hit_rates"), ("lru", "_lru_hit")):
+        real = getattr(cache_mode, attr)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(cache_mode, attr, counted)
+    shared = [o.metrics for o in run_workload(load_workload(path))]
+    # Three cache sizes/reuse rules; the LRU runs: 4096 tokens with partial reuse (the
+    # policy's parameters are not LRU's), 2048, and 4096 without partial reuse.
+    assert calls == {"optimal": 3, "lru": 3}
+    for sets, m in zip(variants, shared):
+        alone = run_workload(load_workload(_workload(tmp_path), sets))[0].metrics
+        for key in ("hit_rate", "lru_hit_rate", "optimal_hit_rate", "ideal_hit_rate",
+                    "gap_closed"):
+            assert m[key] == alone[key], (sets, key)
+
+
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_policies_in_serve_mode(tmp_path, name):
     """Serve mode evicts under decode pressure and preemption through the same policy."""

@@ -396,8 +396,8 @@ def test_each_run_forgets_the_memos_of_the_requests_it_used(monkeypatch, tmp_pat
     seen = []
     real = runner.run_cache
 
-    def spy(name, plan, requests, progress):
-        out = real(name, plan, requests, progress)
+    def spy(name, plan, requests, progress, references):
+        out = real(name, plan, requests, progress, references)
         seen.append((requests, sorted({tpb for r in requests for tpb in r._keys})))
         return out
 

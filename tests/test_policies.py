@@ -436,6 +436,14 @@ def test_policy_matches_brute_force_reference(name, admission, backing, monkeypa
     check()
 
 
+@pytest.mark.parametrize("name", ["gdsf", "predictive"])
+def test_class_policies_start_their_class_sets_again(name, monkeypatch):
+    """`ClassQueuePolicy` remembers each level's set of non-empty classes; once it holds
+    more than `_LIVE_SETS` it starts again: the same victims as the reference."""
+    monkeypatch.setattr(policy_base, "_LIVE_SETS", 1)
+    test_policy_matches_brute_force_reference(name, "all", "dict", monkeypatch)
+
+
 @pytest.mark.parametrize("name", POLICY_NAMES)
 @pytest.mark.parametrize("admission", ["all", "second_use"])
 def test_invariants_with_every_policy(name, admission):

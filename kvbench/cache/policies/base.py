@@ -32,6 +32,8 @@ from .run_queue import RunQueue
 
 
 _NO_BOUND = 1 << 62
+_LIVE_SETS = 4096
+"""Most sets of non-empty classes `ClassQueuePolicy` remembers (then it starts again)."""
 record_key = itemgetter(0)
 """A stored record's block key (None for a partial block)."""
 
@@ -324,7 +326,7 @@ class ClassQueuePolicy:
     outranks its parent only if a lower class can score higher than a higher one at the same
     stamp (subclasses keep head scores monotone in the class)."""
 
-    __slots__ = ("index", "capacity", "num_classes", "queue")
+    __slots__ = ("index", "capacity", "num_classes", "queue", "remove", "_live")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  num_classes: int) -> None:
@@ -332,6 +334,11 @@ class ClassQueuePolicy:
         self.capacity = capacity
         self.num_classes = num_classes
         self.queue = RunQueue(id_space, NUM_PRIORITY_LEVELS * num_classes)
+        self.remove = self.queue.remove
+        """A claim (the block leaves its run): the queue's own, one call per claimed block."""
+        self._live: dict[int, tuple[list[int], list[int]]] = {}
+        """By `level << num_classes | mask of its non-empty classes`: those classes and their
+        FIFOs, ascending (a level holds blocks of most classes: gdsf ~14 of 17)."""
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -356,9 +363,6 @@ class ClassQueuePolicy:
             push(blocks[n - end:n - pos] if pos or end < n else blocks, q0 + c, stamp)
             end = pos
 
-    def remove(self, block: BlockId) -> None:
-        self.queue.remove(block)
-
     def requeue(self, block: BlockId, priority: int) -> None:
         """To the back of its class at level `priority`, stamped now (not a use)."""
         q = self.queue
@@ -378,16 +382,25 @@ class ClassQueuePolicy:
             live_mask = (mask >> q0) & every
             c = low - q0
             if live_mask & (live_mask - 1):  # several classes at this level
-                live = [k for k in range(c, classes) if live_mask >> k & 1]
-                scores = self._head_scores(live, queue.head_stamps([q0 + k for k in live]))
-                best = min(range(len(live)), key=scores.__getitem__)  # ties: the lower class
+                key = q0 << classes | live_mask
+                found = self._live.get(key)
+                if found is None:
+                    if len(self._live) > _LIVE_SETS:
+                        self._live.clear()
+                    live = [k for k in range(c, classes) if live_mask >> k & 1]
+                    found = self._live[key] = (live, [q0 + k for k in live])
+                live = found[0]
+                scores = self._head_scores(live, queue.head_stamps(found[1]))
+                top = min(scores)
+                best = scores.index(top)  # ties: the lower class
                 c = live[best]
                 # The run of c's heads that still beat every other class's head: a lower
                 # class wins ties, so against it c must score strictly less (scores are ints:
                 # less than s is at most s - 1); the lowest such bound holds for all.
-                bounds = [score - (k < c) for k, score in zip(live, scores)]
-                bounds[best] = _NO_BOUND
-                run = queue.pop_upto(q0 + c, n - len(out), self._max_stamp(c, min(bounds)))
+                bound = min(scores[best + 1:], default=_NO_BOUND)
+                if best:
+                    bound = min(bound, min(scores[:best]) - 1)
+                run = queue.pop_upto(q0 + c, n - len(out), self._max_stamp(c, bound))
             else:
                 run = queue.pop_upto(low, n - len(out), _NO_BOUND)
             self._evicted(queue.last_stamp, c)
@@ -450,4 +463,10 @@ class ClassQueuePolicy:
         (the highest)."""
 
     def _check_sanity(self) -> bool:
+        classes = self.num_classes
+        assert len(self._live) <= _LIVE_SETS + 1
+        for key, (live, fifos) in self._live.items():
+            q0, mask = key >> classes, key & ((1 << classes) - 1)
+            assert live == [k for k in range(classes) if mask >> k & 1]
+            assert fifos == [q0 + k for k in live]
         return self.queue._check_sanity()

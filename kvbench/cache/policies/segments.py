@@ -21,7 +21,7 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import TICK_SHIFT, KeyHistory, chain_keys, record_key
+from .base import KeyHistory, chain_keys, record_key
 from .run_queue import RunQueue
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
@@ -210,8 +210,8 @@ class SLRUPolicy(_TwoQueues):
         # block's is the last, unremembered).
         start = hist.clock
         hist.clock = start + known.size + partial
-        hist.store(known, slots, np.arange(start + 1, start + known.size + 1, dtype=np.int64)
-                   << TICK_SHIFT, earlier)
+        ticks = np.arange((start + 1) << 8, (start + known.size + 1) << 8, 1 << 8)
+        hist.store(known, slots, ticks, earlier)
         # Protected: reused while cached, or new data whose key was used before.
         for i, _ in self._returned(blocks):
             seen[i] = True
@@ -269,6 +269,13 @@ class GhostKeys:
         known = keys if not keyless or None not in keys else [k for k in keys if k is not None]
         remembered, order = self._keys, self._order
         most = 2 * self.capacity
+        if len(remembered) + len(known) <= most:  # mostly: no forgetting on the way
+            held = len(remembered) + len(known)
+            remembered.update(known)
+            assert len(remembered) == held, "a ghost recorded while remembered"
+            order += known
+            self.clock += len(known)
+            return
         while known:
             # Up to the key whose record overfills the history: the forgetting follows it.
             chunk = known[:most + 1 - len(remembered)]

@@ -821,7 +821,7 @@ def test_lru2_compaction_at_any_time_changes_no_victim():
         if i % 2:
             for level in {20, 35, 60}:
                 if policy._live[level]:
-                    policy._compact_fifo(level)
+                    policy._drop_fifo(level)
                     policy._compact_runs(level)
             policy._compact_shadow()
             assert policy._check_sanity()

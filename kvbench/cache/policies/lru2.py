@@ -45,8 +45,9 @@ key orders whole runs: the victims are the front run's blocks in order, checked 
 time against the tags (a claimed, requeued or evicted block's tag changed: its old entries are
 skipped when they surface), and a heap operation is paid per run, not per block (the running
 minimum gives a release's chain few distinct ranks). A structure holding more than twice its
-level's live blocks (the FIFO: four times) drops its stale entries (amortised O(1) per push);
-the FIFO is compacted into one array, so it stays short while LRU-2 leads and never pops it.
+level's live blocks drops its stale entries (amortised O(1) per push). The FIFO, at four times,
+is dropped instead and no longer kept, and is rebuilt from the tags (the push order) when LRU
+next pops that level: while LRU-2 leads, which never pops it, it costs nothing.
 
 The shadows are kept the same way: the LRU shadow a dict in use order, the LRU-2 shadow a dict
 of each key's insertion order and a heap of a release's runs of one rank.
@@ -102,7 +103,7 @@ class LRU2Policy:
 
     __slots__ = ("index", "capacity", "params", "history", "use_lru2", "shadow_hits",
                  "_tag", "_tags", "_rank", "_ranks", "_pushed", "_live", "_fifo", "_in_fifo",
-                 "_runs", "_in_runs", "_nonempty", "_size", "_shadow_lru", "_shadow_lru2",
+                 "_fifo_off", "_runs", "_in_runs", "_nonempty", "_size", "_shadow_lru", "_shadow_lru2",
                  "_shadow_runs", "_in_shadow_runs", "_shadow_cap", "_shadow_order",
                  "_halve_at", "_sampled")
 
@@ -132,6 +133,8 @@ class LRU2Policy:
         a run's key, so both structures are taken from alike)."""
         self._in_fifo = [0] * NUM_PRIORITY_LEVELS
         """Per level: entries in the FIFO, stale ones included."""
+        self._fifo_off = 0
+        """Levels (bits) whose FIFO is not kept (empty): rebuilt from the tags when popped."""
         self._runs: list[list[tuple[int, np.ndarray, np.ndarray]]] = [
             [] for _ in range(NUM_PRIORITY_LEVELS)]
         """Per level: heap of `((rank << 64) | first tag, tags, blocks)` runs."""
@@ -143,7 +146,8 @@ class LRU2Policy:
         self._sampled = np.arange(int(_SAMPLE_PRIME)) % n == 0 if n else None
         """Whether a key is sampled, by `key % prime` (one lookup for two remainders)."""
         self._shadow_lru: dict = {}
-        """Sampled keys in LRU order (a dict keeps insertion order; a use moves a key last)."""
+        """Sampled keys in LRU order, each to True (a dict keeps insertion order; a use moves
+        a key last)."""
         self._shadow_lru2: dict = {}
         """Sampled key -> the insertion order of its live entry in `_shadow_runs`."""
         self._shadow_runs: list[list] = []
@@ -224,6 +228,8 @@ class LRU2Policy:
                 got, gone = self._take(runs, partial(heappop, runs), take)
                 self._in_runs[lv] -= gone
             else:
+                if self._fifo_off >> lv & 1:
+                    self._rebuild_fifo(lv)
                 fifo = self._fifo[lv]
                 got, gone = self._take(fifo, fifo.popleft, take)
                 self._in_fifo[lv] -= gone
@@ -258,20 +264,22 @@ class LRU2Policy:
                              1 << _LEVEL_BITS, np.int64)
         self._tags[run] = run_tags
         self._ranks[run] = ranks
-        self._fifo[priority].append((0, run_tags, run))
-        self._in_fifo[priority] += n
+        if not self._fifo_off >> priority & 1:
+            self._fifo[priority].append((0, run_tags, run))
+            self._in_fifo[priority] += n
         heap = self._runs[priority]
         first_tag = ((o + 1) << _LEVEL_BITS) | priority
-        first, last = ranks.item(0), ranks.item(-1)
-        if first == last:
+        first = ranks.item(0)
+        if first == ranks.item(-1):
             heappush(heap, ((first << _KEY_SHIFT) | first_tag, run_tags, run))
-        else:  # one run per rank (ranks do not decrease)
-            rank_list = ranks.tolist()
+        else:  # one run per rank (ranks do not decrease), cut where the rank changes (a
+            # release has a few: converting the ranks to a list to find them costs more)
+            ends = (ranks[:-1] != ranks[1:]).nonzero()[0].tolist()
+            ends.append(n - 1)
             i = 0
-            while i < n:
-                r = rank_list[i]
-                j = n if r == last else bisect_right(rank_list, r, i)
-                heappush(heap, ((r << _KEY_SHIFT) | (first_tag + (i << _LEVEL_BITS)),
+            for j in ends:
+                j += 1
+                heappush(heap, ((ranks.item(i) << _KEY_SHIFT) | (first_tag + (i << _LEVEL_BITS)),
                                 run_tags[i:j], run[i:j]))
                 i = j
         self._in_runs[priority] += n
@@ -279,7 +287,7 @@ class LRU2Policy:
         live = self._live[priority] = self._live[priority] + n
         self._nonempty |= 1 << priority
         if self._in_fifo[priority] > 4 * live + 256:
-            self._compact_fifo(priority)
+            self._drop_fifo(priority)
         if self._in_runs[priority] > 2 * live + 64:
             self._compact_runs(priority)
 
@@ -320,15 +328,25 @@ class LRU2Policy:
             want -= kept.size
         return out, gone
 
-    def _compact_fifo(self, lv: int) -> None:
-        """Drop the stale entries of level `lv`'s FIFO, leaving one push of its live blocks."""
-        fifo = self._fifo[lv]
-        run_tags = np.concatenate([t for _, t, _ in fifo])
-        run = np.concatenate([b for _, _, b in fifo])
-        ok = self._tags[run] == run_tags
-        fifo.clear()
-        fifo.append((0, run_tags[ok], run[ok]))
+    def _drop_fifo(self, lv: int) -> None:
+        """Stop keeping level `lv`'s FIFO (its stale entries outgrew its live ones)."""
+        self._fifo[lv].clear()
+        self._in_fifo[lv] = 0
+        self._fifo_off |= 1 << lv
+
+    def _rebuild_fifo(self, lv: int) -> None:
+        """Level `lv`'s FIFO again, as one push of its queued blocks in tag (push) order: the
+        same victims as the FIFO it dropped, whose live entries were in that order."""
+        tags = self._tags
+        run = tags.nonzero()[0]
+        run_tags = tags[run]
+        if self._nonempty != 1 << lv:  # other levels hold blocks too
+            mine = (run_tags & _LEVEL_MASK) == lv
+            run, run_tags = run[mine], run_tags[mine]
+        order = run_tags.argsort()
+        self._fifo[lv].append((0, run_tags[order], run[order]))
         self._in_fifo[lv] = self._live[lv]
+        self._fifo_off &= ~(1 << lv)
 
     def _compact_runs(self, lv: int) -> None:
         """Drop the stale entries of level `lv`'s runs. Keys stay: a run's remaining blocks
@@ -349,6 +367,7 @@ class LRU2Policy:
         self._runs[lv].clear()
         self._in_fifo[lv] = self._in_runs[lv] = 0
         self._nonempty &= ~(1 << lv)
+        self._fifo_off &= ~(1 << lv)  # an empty FIFO is exact
 
     def _shadow(self, keys: list, ranks: list[int]) -> None:
         """Replay a release's sampled keys with their ranks (deepest first, as the pool's
@@ -356,13 +375,10 @@ class LRU2Policy:
         hits = self.shadow_hits
         lru, lru2 = self._shadow_lru, self._shadow_lru2
         cap = self._shadow_cap
-        # LRU: a key used again moves last (keys in a chain are distinct: each once).
-        held = list(compress(keys, map(lru.__contains__, keys)))
-        if held:
-            hits[0] += len(held)
-            for k in held:
-                del lru[k]
-        lru.update(zip(keys, repeat(None)))
+        # LRU: a key used again moves last (keys in a chain are distinct: each once). Its
+        # value is True, so one pop per key takes the held ones out and counts them.
+        hits[0] += sum(map(lru.pop, keys, repeat(False)))
+        lru.update(zip(keys, repeat(True)))
         over = len(lru) - cap
         if over > 0:
             for k in list(islice(lru, over)):
@@ -410,9 +426,10 @@ class LRU2Policy:
         get = self._shadow_lru2.get
         runs = []
         for key, orders, run_keys, k in self._shadow_runs:
-            kept = [(o, x) for o, x in zip(orders[k:], run_keys[k:]) if get(x) == o]
-            if kept:
-                runs.append([key, [o for o, _ in kept], [x for _, x in kept], 0])
+            orders, run_keys = orders[k:], run_keys[k:]
+            live = list(map(eq, map(get, run_keys), orders))
+            if any(live):
+                runs.append([key, list(compress(orders, live)), list(compress(run_keys, live)), 0])
         heapify(runs)
         self._shadow_runs = runs
         self._in_shadow_runs = len(self._shadow_lru2)
@@ -437,7 +454,10 @@ class LRU2Policy:
             fifo = [(t, b) for _, ts, bs in self._fifo[lv]
                     for t, b in zip(ts.tolist(), bs.tolist())]
             assert len(fifo) == self._in_fifo[lv] and fifo == sorted(fifo, key=lambda e: e[0])
-            assert sorted(b for t, b in fifo if tag[b] == t) == live
+            if self._fifo_off >> lv & 1:
+                assert not fifo and live
+            else:
+                assert sorted(b for t, b in fifo if tag[b] == t) == live
             in_runs, entries = [], 0
             for key, ts, bs in self._runs[lv]:
                 ts, bs = ts.tolist(), bs.tolist()

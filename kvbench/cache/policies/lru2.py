@@ -315,14 +315,19 @@ class LRU2Policy:
                 gone += size
             else:  # the front entry in part
                 ok = tags[run] == run_tags
-                kept = run[ok]
-                if kept.size > want:
-                    queue[0] = (key, run_tags[ok][want:], kept[want:])
-                    gone += want + run.size - kept.size
-                    kept = kept[:want]
+                if np.count_nonzero(ok) == run.size:  # no stale block: views, not copies
+                    queue[0] = (key, run_tags[want:], run[want:])
+                    gone += want
+                    kept = run[:want]
                 else:
-                    pop()
-                    gone += run.size
+                    kept = run[ok]
+                    if kept.size > want:
+                        queue[0] = (key, run_tags[ok][want:], kept[want:])
+                        gone += want + run.size - kept.size
+                        kept = kept[:want]
+                    else:
+                        pop()
+                        gone += run.size
             tags[kept] = _ZERO
             out += kept.tolist()
             want -= kept.size

@@ -103,9 +103,9 @@ class LRU2Policy:
 
     __slots__ = ("index", "capacity", "params", "history", "use_lru2", "shadow_hits",
                  "_tag", "_tags", "_rank", "_ranks", "_pushed", "_live", "_fifo", "_in_fifo",
-                 "_fifo_off", "_runs", "_in_runs", "_nonempty", "_size", "_shadow_lru", "_shadow_lru2",
-                 "_shadow_runs", "_in_shadow_runs", "_shadow_cap", "_shadow_order",
-                 "_halve_at", "_sampled")
+                 "_fifo_off", "_runs", "_in_runs", "_nonempty", "_size", "_shadow_lru",
+                 "_shadow_lru2", "_shadow_runs", "_in_shadow_runs", "_shadow_cap",
+                 "_shadow_order", "_halve_at", "_sampled")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: LRU2Params) -> None:

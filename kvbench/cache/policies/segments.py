@@ -269,17 +269,11 @@ class GhostKeys:
         known = keys if not keyless or None not in keys else [k for k in keys if k is not None]
         remembered, order = self._keys, self._order
         most = 2 * self.capacity
-        if len(remembered) + len(known) <= most:  # mostly: no forgetting on the way
-            held = len(remembered) + len(known)
-            remembered.update(known)
-            assert len(remembered) == held, "a ghost recorded while remembered"
-            order += known
-            self.clock += len(known)
-            return
         while known:
-            # Up to the key whose record overfills the history: the forgetting follows it.
-            chunk = known[:most + 1 - len(remembered)]
-            known = known[len(chunk):]
+            # Up to the key whose record overfills the history, the forgetting following it;
+            # mostly all of them, none forgotten (no copy then).
+            room = most + 1 - len(remembered)
+            chunk, known = (known, ()) if len(known) < room else (known[:room], known[room:])
             held = len(remembered) + len(chunk)
             remembered.update(chunk)
             assert len(remembered) == held, "a ghost recorded while remembered"

@@ -22,6 +22,7 @@ the prompt's full ones are keyed by the chained hash of their tokens, as token p
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -107,11 +108,7 @@ class Request:
     def block_keys_array(self, tokens_per_block: int) -> np.ndarray:
         """`block_keys` as an int64 array, cached per block size (an eviction policy reads a
         released chain's keys as one slice of it)."""
-        keys = self._key_arrays.get(tokens_per_block)
-        if keys is None:
-            keys = np.array(self.block_keys(tokens_per_block), np.int64)
-            self._key_arrays[tokens_per_block] = keys
-        return keys
+        return _keys_array(self._key_arrays, tokens_per_block, self.block_keys)
 
     def block_retentions(self, tokens_per_block: int) -> list[tuple[int, float | None]]:
         """(priority, duration_ms) of each prompt block under `retention` (which must be set),
@@ -207,11 +204,7 @@ class Request:
 
     def stream_keys_array(self, tokens_per_block: int) -> np.ndarray:
         """`stream_keys` as an int64 array, cached per block size."""
-        keys = self._stream_key_arrays.get(tokens_per_block)
-        if keys is None:
-            keys = np.array(self.stream_keys(tokens_per_block), np.int64)
-            self._stream_key_arrays[tokens_per_block] = keys
-        return keys
+        return _keys_array(self._stream_key_arrays, tokens_per_block, self.stream_keys)
 
     def stream_first_tokens(self, tokens_per_block: int) -> list[int]:
         """The first token of every stream block (the last may be partial), cached per block
@@ -255,6 +248,15 @@ class Request:
             parent = hash((parent, *toks[b * tpb:(b + 1) * tpb].tolist()))
             keys.append(parent)
         return keys
+
+
+def _keys_array(cache: dict[int, np.ndarray], tokens_per_block: int,
+                keys_of: Callable[[int], list[int]]) -> np.ndarray:
+    """`keys_of(tokens_per_block)` as an int64 array, made once per block size in `cache`."""
+    keys = cache.get(tokens_per_block)
+    if keys is None:
+        keys = cache[tokens_per_block] = np.array(keys_of(tokens_per_block), np.int64)
+    return keys
 
 
 class RequestList(list):

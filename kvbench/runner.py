@@ -8,7 +8,7 @@ from .engine.clock import hardware_from_config
 from .engine.collector import fewer_collections
 from .errors import InputError
 from .modes.cache import run_cache
-from .modes.common import ProgressFactory
+from .modes.common import ProgressFactory, References
 from .modes.serve import run_serve
 from .plan import check_memory, check_supported, gib, is_windowed, plan_run, where
 from .results import RunOutcome
@@ -19,14 +19,17 @@ from .traffic.tracefile import warn
 
 
 @fewer_collections()
-def run_workload(workload: Workload, progress: ProgressFactory | None = None) -> list[RunOutcome]:
+def run_workload(workload: Workload, progress: ProgressFactory | None = None,
+                 references: References | None = None) -> list[RunOutcome]:
     """Run every variant of `workload` on the same request stream (reloaded only when a
     variant changes the requests or the seed, or needs it in memory where another streamed
-    it)."""
-    references: dict = {}  # cache mode's, shared by variants on the same request objects
-    return [run_serve(name, plan, requests, progress) if plan.workload.run.mode == "serve"
-            else run_cache(name, plan, requests, progress, references)
-            for name, plan, requests in _variants(workload)]
+    it). The variants share the reference hit rates they have in common, kept in
+    `references` (a caller running several workloads passes one store to share them there
+    too, as a tune study does across its trials)."""
+    refs = references if references is not None else References()
+    return [(run_serve if plan.workload.run.mode == "serve" else run_cache)(
+        name, plan, requests, progress, refs.of(source))
+        for name, plan, requests, source in _variants(workload)]
 
 
 def check_workload(workload: Workload) -> None:
@@ -52,24 +55,45 @@ def workload_warnings(workload: Workload) -> list[str]:
 
 
 def _variants(workload: Workload):
-    """(name, run plan, requests) of each variant, checked: the requests fit the cache and
-    what the run will allocate fits this machine's memory (`plan.plan_run`). Streamed traces
-    are closed when the caller is done with them."""
+    """(name, run plan, requests, `request_source`) of each variant, checked: the requests
+    fit the cache and what the run will allocate fits this machine's memory
+    (`plan.plan_run`). Streamed traces are closed when the caller is done with them."""
     loaded: dict[str, RequestList | SpilledTrace] = {}
     try:
         for name, wl in workload.variant_workloads():
             check_supported(wl)
             stream = _streamable(wl)
-            source_key = wl.requests.model_dump_json() + f"/seed={wl.run.seed}/stream={stream}"
-            requests = loaded.get(source_key)
+            source = request_source(wl, stream)
+            requests = loaded.get(source)
             if requests is None:
-                requests = loaded[source_key] = _load(wl, stream)
-            yield name, plan_run(wl, requests), requests
+                requests = loaded[source] = _load(wl, stream)
+            yield name, plan_run(wl, requests), requests, source
             requests.end_pass()
     finally:
         for requests in loaded.values():
             if isinstance(requests, SpilledTrace):
                 requests.close()
+
+
+def request_source(wl: Workload, stream: bool) -> str:
+    """What names the request stream of `wl` across runs: the requests section, the seed,
+    whether it streams and, for a trace, the file (its resolved path, device, inode, size and
+    modification time), so a rewritten trace is another stream. Loading is deterministic, so
+    two runs with one source replay equal requests."""
+    source = wl.requests.model_dump_json() + f"/seed={wl.run.seed}/stream={stream}"
+    if wl.requests.source != "trace":
+        return source
+    path = trace_path(wl.requests, _base_dir(wl)).resolve()
+    try:
+        st = path.stat()
+    except OSError:  # reading it fails with one clear line
+        return f"{source}/{path}"
+    return f"{source}/{path}/{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _base_dir(wl: Workload):
+    """The folder a workload's relative paths start from."""
+    return wl.source_path.parent if wl.source_path is not None else resolve_path(wl, ".")
 
 
 def _synthetic_bytes(requests_cfg) -> int:
@@ -105,7 +129,7 @@ def _load(wl: Workload, stream: bool = False) -> RequestList | SpilledTrace:
     if wl.requests.source == "synthetic":
         check_memory(wl, _synthetic_bytes(wl.requests), "the synthetic requests' tokens",
                       "lower requests.synthetic.num_requests, num_users or the token counts")
-    base = wl.source_path.parent if wl.source_path is not None else resolve_path(wl, ".")
+    base = _base_dir(wl)
     requests = reader = None
     if stream:
         reader = open_trace(trace_path(wl.requests, base), wl.requests.format,

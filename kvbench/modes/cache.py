@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TypeVar
 
 from ..config import PolicyConfig, Workload
 from ..engine.cache_mode import replay_cache_mode
@@ -13,19 +11,24 @@ from ..plan import RunPlan, block_bytes, cross_manager, draft_block_bytes, size_
 from ..results import RunOutcome
 from ..traffic import Request
 from ..traffic.spill import SpilledTrace
-from .common import (ProgressFactory, cache_metrics, draft_plane_metrics, ideal_hit_rate,
-                     open_data_plane, outcome, phase)
+from .common import (ProgressFactory, StreamReferences, cache_metrics, draft_plane_metrics,
+                     ideal_reference, once, open_data_plane, outcome, phase)
 
-T = TypeVar("T")
+LRU_UNREAD = frozenset({"name", "hardware", "scheduler", "variants", "tune"})
+"""Workload sections a cache-mode replay never reads (the hardware and the scheduler are the
+serve clock's; the name, variants and tune section are the file's), left out of the LRU
+reference's key so that runs differing only there share it."""
 
 
 def run_cache(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
-              progress: ProgressFactory | None, references: dict | None = None) -> RunOutcome:
+              progress: ProgressFactory | None,
+              references: StreamReferences | None = None) -> RunOutcome:
     """Replay the requests in arrival order through the planned cache, no clock; report reuse
-    against the references (ideal, optimal, LRU). `references` (a dict the caller keeps for
-    the variants of one workload, over the same request objects) holds the references already
-    computed: variants that differ only in what the references do not see (the eviction
-    policy, the admission) compute them once."""
+    against the references (ideal, optimal, LRU). `references` (which the caller keeps for
+    the variants of one workload, or for the trials of a tune study) holds the references
+    already computed on this request stream: runs that differ only in what a reference does
+    not read (the eviction policy, its parameters, the admission, the hardware) compute it
+    once."""
     wl = plan.workload
     streamed = isinstance(requests, SpilledTrace)
     cross = None if streamed else cross_manager(wl, requests)
@@ -74,40 +77,33 @@ def _is_lru(wl: Workload) -> bool:
 
 
 def _offline_references(plan: RunPlan, requests: list[Request] | SpilledTrace,
-                        references: dict | None) -> tuple[float, float | None]:
-    """The ideal and optimal hit rates. With a host tier the optimum may keep blocks in
-    either tier: one pool of both sizes. With windows it is null (the offline optimum is for
-    one pool) and the ideal is an unlimited cache under the same window rules."""
+                        references: StreamReferences | None) -> tuple[float, float | None]:
+    """The ideal and optimal hit rates, kept under what the oracle reads: the block size,
+    the capacity and the reuse rules. With a host tier the optimum may keep blocks in either
+    tier: one pool of both sizes. With windows it is null (the offline optimum is for one
+    pool) and the ideal is an unlimited cache under the same window rules."""
     if plan.cycles is not None:
-        return ideal_hit_rate(requests, plan, serve=False), None
+        return ideal_reference(requests, plan, serve=False, references=references), None
     spec = plan.spec
     args = (spec.tokens_per_block, spec.num_gpu_blocks + spec.num_host_blocks,
             spec.enable_partial_reuse, spec.enable_block_reuse)
     oracle = (streamed_reference_hit_rates if isinstance(requests, SpilledTrace)
               else reference_hit_rates)
-    refs = _once(references, ("optimal", id(requests), *args), lambda: oracle(
+    refs = once(references, ("optimal", *args), lambda: oracle(
         requests, args[0], args[1], partial_reuse=args[2], block_reuse=args[3]))
     return refs.ideal_hit_rate, refs.optimal_hit_rate
 
 
 def _lru_reference(wl: Workload, requests: list[Request] | SpilledTrace,
-                   references: dict | None) -> float:
+                   references: StreamReferences | None) -> float:
     """The hit rate of the same cache-mode run with LRU eviction and admission of all
     (TensorRT-LLM's behaviour), the reference `gap_closed` is measured from; the policies'
-    parameters at their defaults, as LRU reads none of them."""
+    parameters at their defaults, as LRU reads none of them. Kept under the rest of the
+    workload but `LRU_UNREAD`."""
     lru = wl.model_copy(update={"cache": wl.cache.model_copy(
         update={"eviction_policy": "lru", "admission": "all", "policy": PolicyConfig()})})
-    return _once(references, ("lru", id(requests), lru.model_dump_json()),
-                 lambda: _lru_hit(lru, requests))
-
-
-def _once(references: dict | None, key: tuple, compute: Callable[[], T]) -> T:
-    """`compute()`, or its result kept under `key` in `references` (None: keep nothing)."""
-    if references is None:
-        return compute()
-    if key not in references:
-        references[key] = compute()
-    return references[key]
+    return once(references, ("lru", lru.model_dump_json(exclude=LRU_UNREAD)),
+                lambda: _lru_hit(lru, requests))
 
 
 def _lru_hit(lru: Workload, requests: list[Request] | SpilledTrace) -> float:

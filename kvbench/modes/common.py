@@ -3,7 +3,10 @@ memory and host-traffic metrics every run reports, the ideal hit rate, the check
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 from ..cache.manager import CacheSpec, KVCacheManager
 from ..cache.protocol import CacheManager
@@ -18,6 +21,62 @@ from ..traffic.spill import SpilledTrace
 
 ProgressFactory = Callable[[str, int], Callable[[int], None]]
 """(description, total) -> advance(n): how a run reports progress (a rich bar in the CLI)."""
+
+T = TypeVar("T")
+
+
+class References:
+    """Reference results (ideal, optimal and LRU hit rates) kept across runs, so runs that
+    differ only in what a reference does not read compute it once. A key names the request
+    stream (`StreamReferences.source`) and every input the reference reads; a value is a few
+    numbers. At most `max_entries` are kept, the least recently used dropped first (None: no
+    bound, for the variants of one workload, which its file counts)."""
+
+    __slots__ = ("_entries", "max_entries")
+
+    def __init__(self, max_entries: int | None = None) -> None:
+        self._entries: OrderedDict[tuple, object] = OrderedDict()
+        self.max_entries = max_entries
+
+    def once(self, key: tuple, compute: Callable[[], T]) -> T:
+        """The value kept under `key`, else `compute()`, kept."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key]  # type: ignore[return-value]
+        value = self._entries[key] = compute()
+        if self.max_entries is not None and len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        assert self._check_sanity()
+        return value
+
+    def of(self, source: str) -> StreamReferences:
+        """This store as the runs on the request stream `source` see it."""
+        return StreamReferences(self, source)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _check_sanity(self) -> bool:
+        assert self.max_entries is None or len(self._entries) <= self.max_entries
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReferences:
+    """A `References` store seen from one request stream: `source` names the stream by where
+    it came from (`runner.request_source`), so runs on equal requests share references even
+    when each loaded its own request objects."""
+
+    store: References
+    source: str
+
+    def once(self, key: tuple, compute: Callable[[], T]) -> T:
+        return self.store.once((self.source, *key), compute)
+
+
+def once(references: StreamReferences | None, key: tuple, compute: Callable[[], T]) -> T:
+    """`compute()`, or the result kept under `key` in `references` (None: keep nothing)."""
+    return compute() if references is None else references.once(key, compute)
 
 
 def open_data_plane(plan: RunPlan, draft: bool = False, *, backend: str | None = None,
@@ -139,6 +198,16 @@ def cache_metrics(
         "partial_copy_blocks": manager.partial_copy_blocks,
         "phase2_alloc_failures": manager.phase2_alloc_failures,
     }
+
+
+def ideal_reference(requests: list[Request] | SpilledTrace, plan: RunPlan, *, serve: bool,
+                    references: StreamReferences | None) -> float:
+    """`ideal_hit_rate`, kept in `references` under all it reads: the mode, the block size,
+    the reuse rules and the life cycles (not the capacity, the policy or the scheduler)."""
+    spec = plan.spec
+    key = ("ideal", serve, spec.tokens_per_block, spec.enable_block_reuse,
+           spec.enable_partial_reuse, spec.copy_on_partial_reuse, plan.cycles)
+    return once(references, key, lambda: ideal_hit_rate(requests, plan, serve=serve))
 
 
 def ideal_hit_rate(requests: list[Request] | SpilledTrace, plan: RunPlan, *,

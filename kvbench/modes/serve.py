@@ -16,15 +16,17 @@ from ..plan import RunPlan, block_bytes, cross_manager, draft_block_bytes, serve
 from ..results import RunOutcome
 from ..traffic import Request
 from ..traffic.spill import SpilledTrace
-from .common import (ProgressFactory, cache_metrics, draft_plane_metrics, ideal_hit_rate,
-                     open_data_plane, open_measured_plane, outcome, phase)
+from .common import (ProgressFactory, StreamReferences, cache_metrics, draft_plane_metrics,
+                     ideal_reference, open_data_plane, open_measured_plane, outcome, phase)
 
 
 def run_serve(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
-              progress: ProgressFactory | None) -> RunOutcome:
+              progress: ProgressFactory | None,
+              references: StreamReferences | None = None) -> RunOutcome:
     """The serve loop over the planned cache: scheduler, clock, optional data plane,
     speculation and cross-attention cache. A spilled trace is read as the loop reaches its
-    arrivals."""
+    arrivals. `references` holds the ideal hit rates already computed on this request stream
+    (`modes.cache.run_cache`)."""
     wl, spec = plan.workload, plan.spec
     streamed = isinstance(requests, SpilledTrace)
     cross = None if streamed else cross_manager(wl, requests)
@@ -55,7 +57,7 @@ def run_serve(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
         data_plane=plane, speculation=speculation, draft_plane=draft_plane, cross=cross,
         on_progress=advance, keep_states=False)
     done = phase(progress, f"{name}: reference hit rate (ideal)")
-    ideal = ideal_hit_rate(requests, plan, serve=True)
+    ideal = ideal_reference(requests, plan, serve=True, references=references)
     done(1)
     wall = time.perf_counter() - t0
     metrics = _serve_metrics(wl, manager, requests, result, ideal, wall, clock.time_source)

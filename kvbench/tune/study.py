@@ -29,6 +29,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from optuna.trial import FrozenTrial
 
 
+REFERENCE_ENTRIES = 64
+"""Reference results (`modes.common.References`) a worker keeps across its trials. A trial
+reuses one when an earlier trial had the same requests and everything the reference reads
+(block size, capacity, reuse rules; for the LRU reference the whole cache configuration but
+the policy and admission), so a study that tunes a policy, its admission or the scheduler
+computes them once, and one over block sizes and capacities once per point it revisits. An
+entry is a few numbers and a key of a few KB (the LRU reference's holds the workload's JSON),
+so 64 take well under 1 MB; the bound keeps a long study over a continuous capacity range,
+whose points never repeat, from growing the store with its trial count, and 64 still holds
+both references of 32 (block size, capacity) points, more than a categorical space of them
+usually has."""
+
+
 class _TrialFailed(Exception):
     """Raised by the objective after recording why a trial failed; Optuna marks it FAIL and
     the study goes on (it is in `catch`)."""
@@ -136,6 +149,9 @@ class _Objective:
         self.lock = lock
         self.current: int | None = None
         self.worker = worker_id()
+        from ..modes.common import References
+
+        self.references = References(REFERENCE_ENTRIES)
 
     def __call__(self, trial: optuna.trial.Trial) -> list[float]:
         self.lock.release()  # the trial exists: other workers may count it now
@@ -151,7 +167,7 @@ class _Objective:
             timing["config_s"] = t1 - t0 - timing["sample_s"]
             from ..runner import run_workload
 
-            outcome = run_workload(wl)[0]
+            outcome = run_workload(wl, references=self.references)[0]
             timing["run_s"] = time.perf_counter() - t1
         except KeyboardInterrupt:
             with contextlib.suppress(BaseException):

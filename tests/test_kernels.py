@@ -501,6 +501,24 @@ def test_kv_exact_equals_qkv_all_bit_for_bit(dtype):
     assert torch.equal(got.view(bits), want.view(bits))
 
 
+@pytest.mark.parametrize("max_bytes", [1 << 30, 1])
+def test_qkv_all_equals_the_per_layer_formula_bit_for_bit(max_bytes):
+    """Every layer's K/V and Q from `qkv_all` (one group, or one layer at a time when the
+    temporaries' bound is tiny) are the casts of the per-layer float32 `qkv`."""
+    shape = ModelShape(5, 2, 4, 16, TPB, "bfloat16")
+    model = SyntheticModel(shape, 11, torch.device("cpu"))
+    rows = model.rows(np.arange(-20, 60), np.arange(80) * 3)
+    layers = (4, 0, 2)
+    kv, q = model.qkv_all(rows, layers, torch.bfloat16, torch.float16, max_bytes)
+    kv_only, none = model.qkv_all(rows, layers, torch.bfloat16, None, max_bytes)
+    assert none is None and torch.equal(kv_only.view(torch.int16), kv.view(torch.int16))
+    for i, layer in enumerate(layers):
+        k, v, q_layer = model.qkv(rows, layer)
+        assert torch.equal(kv[i, :, 0].view(torch.int16), k.bfloat16().view(torch.int16))
+        assert torch.equal(kv[i, :, 1].view(torch.int16), v.bfloat16().view(torch.int16))
+        assert torch.equal(q[i].view(torch.int16), q_layer.half().view(torch.int16))
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_reference_from_the_model_casts_matches_naive_for_decode_items(window):
     """The verifier's decode reference (`attend_casts`: layers on the query side, keys read as

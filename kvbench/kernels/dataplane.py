@@ -118,9 +118,7 @@ class DataPlane:
             self.cross_pool = len(self.pools)
             self.pools.append(PoolTensors(shape, cross, self.device))
         self._timed = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if self._timed else None
-        if self._timed:
-            ring(self.device).reserve()
+        self.copy_stream, self.stream = self._open_streams()
         self.copier = CopyExecutor(self.pools, self.device)
         self.model = SyntheticModel(shape, seed, self.device)
         self.backend = self._open_backend(backend, cross is not None)
@@ -157,6 +155,16 @@ class DataPlane:
         self._pending: deque[_Marks] = deque()
         self._free_marks: list[_Marks] = []
         """Event sets whose times were read, reused (at most three exist: two pending)."""
+
+    def _open_streams(self):
+        """(copy stream, compute stream) on CUDA, with the staging ring pinned; (None, None)
+        on a CPU. The compute stream is looked up once: each lookup builds a Stream object
+        (tens of microseconds of host time a step), and nothing in a run makes another one
+        current."""
+        if not self._timed:
+            return None, None
+        ring(self.device).reserve()
+        return torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
 
     def _open_backend(self, backend: str, cross: bool):
         """The attention backend; FlashInfer's kernels are compiled and planned once here
@@ -197,8 +205,7 @@ class DataPlane:
         by_pool = copy_ops if isinstance(copy_ops, Mapping) else {0: copy_ops}
         for pool, ops in by_pool.items():
             self.copier.check(pool, ops)
-        # The compute stream, looked up once per step (each lookup builds a Stream object).
-        stream = torch.cuda.current_stream(self.device) if self._timed else None
+        stream = self.stream
         writes, layered, attend, tokens = self._prepare(items, encoder, buffer, stream)
         if self.engine is not None:
             self.engine.prepare(tokens)
@@ -208,7 +215,8 @@ class DataPlane:
             self.engine.run(tokens)
         if marks is not None:
             marks.linear.record(stream)
-            stream.wait_event(marks.copy)
+            if copied:
+                stream.wait_event(marks.copy)
         for kv, batch, new_kv in writes:
             write_kv(kv, batch, new_kv)
         if marks is not None:
@@ -236,6 +244,11 @@ class DataPlane:
         """Run the step's copy ops (on CUDA on the copy stream, from the step's start, and
         marked at their end); returns (blocks, bytes) moved."""
         copied = copy_bytes = 0
+        if marks is not None and not any(by_pool.values()):
+            # A step without copies (most decode steps) spends no host time on the copy
+            # stream: its copy span ends where it starts.
+            marks.copy.record(stream)
+            return copied, copy_bytes
         if marks is not None:
             self.copy_stream.wait_event(marks.start)
             torch.cuda.set_stream(self.copy_stream)
@@ -429,8 +442,9 @@ engine's linear layers, K/V writes, attention, and the whole step."""
 class _Marks:
     """CUDA events at a step's phase boundaries (CUDA only: kvbench reports no times on a
     CPU): `start`, `linear`, `write`, `attention` on the compute stream, `copy` on the copy
-    stream after its copies (which wait for `start`). Made once and reused, step after
-    step, once `totals` read them."""
+    stream after its copies (which wait for `start`; a step without copies records it on
+    the compute stream right after `start`). Made once and reused, step after step, once
+    `totals` read them."""
 
     __slots__ = ("start", "copy", "linear", "write", "attention")
 

@@ -187,32 +187,33 @@ class KeyHistory:
             if len(m) > 2 * self.capacity:
                 self._settle()
             return
-        table, stored = self._keys, self._entries
-        new = (table[slots] != keys).nonzero()[0]
-        if 3 * (self._used + new.size) > len(table):  # at most a third full: short probes
+        table = self._keys
+        free = keys.size - int(np.count_nonzero(self._entries[slots]))  # slots still free
+        if 3 * (self._used + free) > len(table):  # at most a third full: short probes
             # Never smaller: the keys remembered swing between `capacity` and twice that,
             # and a table sized to the low end would be rebuilt again soon. Once it is an
             # eighth of the most it can need (six slots per key, twice `capacity` keys), it
             # grows to that at once: fresh memory costs page faults, so one large step
             # costs less than two.
-            need, most = 6 * (self.count + new.size), 12 * self.capacity
+            need, most = 6 * (self.count + free), 12 * self.capacity
             self._rebuild(max(len(table), need if 8 * need < most else max(need, most)))
-            table, stored = self._keys, self._entries
+            table = self._keys
             slots, _ = self.find(keys)
-            new = (table[slots] != keys).nonzero()[0]
+            free = keys.size - int(np.count_nonzero(self._entries[slots]))
         # Keys remembered from now: those in free slots and forgotten ones in their old slots
         # (a rebuild above kept what `earlier` tells).
         self.count += keys.size - int(np.count_nonzero(earlier))
-        self._used += new.size
-        while new.size:  # claim the free slots; keys that lost one to another probe on
-            at, mine = slots[new], keys[new]
-            table[at] = mine
-            lost = new[table[at] != mine]
-            if not lost.size:
-                break
+        self._used += free
+        # Every key is written: a found key over itself, a new one into its free slot; a key
+        # whose free slot another new key of the batch also took probes on from there.
+        table[slots] = keys
+        lost = (table[slots] != keys).nonzero()[0]
+        while lost.size:
             slots[lost], _ = self.find(keys[lost], (slots[lost] + _ONE) & self._mask)
-            new = lost
-        stored[slots] = entries
+            at, mine = slots[lost], keys[lost]
+            table[at] = mine
+            lost = lost[table[at] != mine]
+        self._entries[slots] = entries
         if self.count > 2 * self.capacity:
             self._settle()
 

@@ -522,6 +522,59 @@ def test_key_history_backings_agree(capacity, calls):
         assert list(small._map.values()) == sorted(small._map.values())
 
 
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([0, 3, 1 << 30]),
+       st.lists(st.lists(st.integers(0, 400), max_size=90), max_size=25))
+def test_key_history_table_batches_agree_with_the_dict(capacity, few, batches):
+    """Batches of up to 90 keys in a table of a few dozen slots: long probes, stepped by numpy
+    rounds (`few` 0), one key at a time (`few` huge) or both; new keys of one batch sharing a
+    free slot. Entries equal the dict backing's; the table's invariants hold after each."""
+    small = policy_base.KeyHistory(capacity)
+    saved = policy_base.DICT_HISTORY_MAX, policy_base._FEW
+    policy_base.DICT_HISTORY_MAX, policy_base._FEW = 0, few
+    try:
+        large = policy_base.KeyHistory(capacity)
+        for raw in batches:
+            keys = np.array(list(dict.fromkeys(raw)), np.int64) * 64 + 63
+            got = []
+            for h in (small, large):
+                slots, entries = h.find(keys.copy())
+                got.append(entries.tolist())
+                h.clock += keys.size
+                ticks = np.arange(h.clock - keys.size + 1, h.clock + 1)
+                h.store(keys.copy(), slots, (ticks << 8) | (keys & 255), entries)
+                assert h._check_sanity()
+            assert got[0] == got[1] and len(small) == len(large)
+    finally:
+        policy_base.DICT_HISTORY_MAX, policy_base._FEW = saved
+
+
+@pytest.mark.parametrize("few", [0, 1 << 30])
+def test_key_history_probes_wrap_around_the_table(few):
+    """Keys homed at the table's last slot probe on from its first (numpy rounds or one key at
+    a time); the keys there before are kept."""
+    saved = policy_base.DICT_HISTORY_MAX, policy_base._FEW
+    policy_base.DICT_HISTORY_MAX, policy_base._FEW = 0, few
+    try:
+        h = policy_base.KeyHistory(100)
+        size = h._keys.size
+        homes = np.arange(1, 4000, dtype=np.int64)
+        homes = (homes.view(np.uint64) * policy_base._MIX >> h._shift).view(np.int64)
+        first = np.arange(1, 4000)[homes == 0][:1]
+        last = np.arange(1, 4000)[homes == size - 1][:4]
+        for batch, entry in ((first, 1 << 8), (last, 2 << 8), (last, 3 << 8)):
+            slots, earlier = h.find(batch.copy())
+            h.clock += 1
+            h.store(batch.copy(), slots, np.full(batch.size, entry), earlier)
+            assert h._keys.size == size and h._check_sanity()
+        held = h._keys.tolist()
+        assert held[0] == first[0] and set(held[1:4] + held[-1:]) == set(last.tolist())
+        assert (h.find(last.copy())[1] == 3 << 8).all()
+        assert (h.find(first.copy())[1] == 1 << 8).all()
+    finally:
+        policy_base.DICT_HISTORY_MAX, policy_base._FEW = saved
+
+
 @settings(max_examples=200, derandomize=True, deadline=None)
 @given(st.integers(1, 12),
        st.lists(st.lists(st.one_of(st.none(), st.integers(0, 80)), max_size=12), max_size=40))

@@ -45,6 +45,7 @@ trace keys are non-negative)."""
 _NO_KEY = np.array(_EMPTY, np.int64)
 _MIX = np.array(0x9E3779B97F4A7C15, np.uint64)
 _ONE = np.array(1, np.int64)
+_FEW = 8
 LOW_BYTE = np.array(255, np.int64)
 """An entry's payload: `entry & LOW_BYTE`."""
 TICK_SHIFT = np.array(8, np.int64)
@@ -164,11 +165,21 @@ class KeyHistory:
             slots = ((keys.view(np.uint64) * _MIX) >> self._shift).view(np.int64)
         at = table[slots]
         busy = ((at != keys) & (at != _NO_KEY)).nonzero()[0]
-        while busy.size:  # the next slot of each key still on another key's
+        while busy.size > _FEW:  # the next slot of each key still on another key's
             at_busy = (slots[busy] + _ONE) & mask
             slots[busy] = at_busy
             at = table[at_busy]
             busy = busy[(at != keys[busy]) & (at != _NO_KEY)]
+        if busy.size:
+            item, m = table.item, int(mask)
+            for i in busy.tolist():
+                key, s = keys.item(i), slots.item(i)
+                while True:
+                    s = (s + 1) & m
+                    at = item(s)
+                    if at == key or at == _EMPTY:
+                        break
+                slots[i] = s
         entries = self._entries[slots]
         if self._cut > 1:  # forgotten keys (a free slot's entry is 0 already)
             entries[entries < self._cut] = 0
@@ -256,6 +267,28 @@ class KeyHistory:
             return seen
         return _keyed(keys, lambda known: self._record_each(np.array(known, np.int64),
                                                             self.clock + 1).tolist())
+
+    def _check_sanity(self) -> bool:
+        """The invariants `find` and `store` rely on (a full pass: for tests)."""
+        m = self._map
+        if m is not None:
+            values = list(m.values())
+            assert values == sorted(values) and len(m) <= 2 * self.capacity
+            return True
+        keys, entries, size = self._keys, self._entries, self._keys.size
+        free = keys == _EMPTY
+        assert np.array_equal(free, entries == 0), "a free slot holds an entry, or a key none"
+        assert self._used == size - np.count_nonzero(free) and 3 * self._used <= size
+        assert self.count == np.count_nonzero(entries >= self._cut) <= 2 * self.capacity
+        held = keys[~free]
+        assert np.unique(held).size == held.size, "a key in two slots"
+        # A probe for a key walks from its home to its slot: no free slot on the way.
+        at = (~free).nonzero()[0]
+        home = ((held.view(np.uint64) * _MIX) >> self._shift).view(np.int64)
+        free_before = np.concatenate(([0], np.cumsum(np.concatenate((free, free)))))
+        end = home + ((at - home) & self._mask)
+        assert not (free_before[end] - free_before[home]).any(), "a key beyond a free slot"
+        return True
 
     def _record_each(self, keys: np.ndarray, first_tick: int) -> np.ndarray:
         seen = np.empty(keys.size, bool)

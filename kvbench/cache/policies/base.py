@@ -46,6 +46,8 @@ _NO_KEY = np.array(_EMPTY, np.int64)
 _MIX = np.array(0x9E3779B97F4A7C15, np.uint64)
 _ONE = np.array(1, np.int64)
 _FEW = 8
+"""Keys still probing after a numpy round step on one at a time once this few are left: a
+round costs ~10 numpy calls whatever its size, a key's Python step a fraction of one."""
 LOW_BYTE = np.array(255, np.int64)
 """An entry's payload: `entry & LOW_BYTE`."""
 TICK_SHIFT = np.array(8, np.int64)
@@ -170,7 +172,7 @@ class KeyHistory:
             slots[busy] = at_busy
             at = table[at_busy]
             busy = busy[(at != keys[busy]) & (at != _NO_KEY)]
-        if busy.size:
+        if busy.size:  # the last few (one to a few probe rounds left, mostly)
             item, m = table.item, int(mask)
             for i in busy.tolist():
                 key, s = keys.item(i), slots.item(i)

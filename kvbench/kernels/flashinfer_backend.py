@@ -140,7 +140,9 @@ class FlashInferBackend:
             tables = layout.views(flat)
         ptr, lens = tables
         # Passing the sequence lengths and maxima spares FlashInfer recomputing them.
-        indices = batch.pages_dev.view(-1).to(torch.int32)
+        indices = batch.pages_dev.view(-1)
+        if indices.dtype != torch.int32:  # a CrossBatch's pages are int64
+            indices = indices.int()
         window_left = batch.window - 1 if batch.window is not None else -1
         w = self._wrapper(pool, batch.decode, buffer, batch.causal)
         self._plan_tables(w, batch.decode, ptr[0], ptr[1], indices, lens[0], batch.tpb,

@@ -3,12 +3,14 @@ CLI and the tuner call this."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from .config import Workload, resolve_path
 from .engine.clock import hardware_from_config
 from .engine.collector import fewer_collections
 from .errors import InputError
 from .modes.cache import run_cache
-from .modes.common import ProgressFactory, References
+from .modes.common import ProgressFactory, References, Store
 from .modes.serve import run_serve
 from .plan import check_memory, check_supported, gib, is_windowed, plan_run, where
 from .results import RunOutcome
@@ -20,23 +22,34 @@ from .traffic.tracefile import warn
 
 @fewer_collections()
 def run_workload(workload: Workload, progress: ProgressFactory | None = None,
-                 references: References | None = None) -> list[RunOutcome]:
+                 references: References | None = None,
+                 streams: Store | None = None) -> list[RunOutcome]:
     """Run every variant of `workload` on the same request stream (reloaded only when a
     variant changes the requests or the seed, or needs it in memory where another streamed
     it). The variants share the reference hit rates they have in common, kept in
-    `references` (a caller running several workloads passes one store to share them there
-    too, as a tune study does across its trials)."""
+    `references`, and the loaded request streams, kept in `streams` (`request_streams`); a
+    caller running several workloads passes its stores to share them there too, as a tune
+    study does across its trials. Without `streams`, those loaded here are released at the
+    end."""
     refs = references if references is not None else References()
-    return [(run_serve if plan.workload.run.mode == "serve" else run_cache)(
-        name, plan, requests, progress, refs.of(source))
-        for name, plan, requests, source in _variants(workload)]
+    with _streams(streams) as kept:
+        return [(run_serve if plan.workload.run.mode == "serve" else run_cache)(
+            name, plan, requests, progress, refs.of(source))
+            for name, plan, requests, source in _variants(workload, kept)]
+
+
+def request_streams(max_entries: int | None = None) -> Store:
+    """A store of loaded request streams for `run_workload`, keyed by `request_source`: at most
+    `max_entries` (None: no bound), a dropped spilled trace's file deleted."""
+    return Store(max_entries, release=_release)
 
 
 def check_workload(workload: Workload) -> None:
     """Refuse (InputError) what `run_workload` would refuse, without running: the requests are
     loaded (a trace is read to its end) and every variant's cache sized."""
-    for _ in _variants(workload):
-        pass
+    with _streams(None) as kept:
+        for _ in _variants(workload, kept):
+            pass
 
 
 def workload_warnings(workload: Workload) -> list[str]:
@@ -54,25 +67,37 @@ def workload_warnings(workload: Workload) -> list[str]:
             for (gpu_bytes, preset, memory), names in over.items()]
 
 
-def _variants(workload: Workload):
+def _variants(workload: Workload, streams: Store):
     """(name, run plan, requests, `request_source`) of each variant, checked: the requests
     fit the cache and what the run will allocate fits this machine's memory
-    (`plan.plan_run`). Streamed traces are closed when the caller is done with them."""
-    loaded: dict[str, RequestList | SpilledTrace] = {}
+    (`plan.plan_run`). The requests come from `streams` (loaded there when missing); a run
+    may change nothing on them but their memos (pure functions of a request and a block
+    size), so the next run on the same source replays equal requests."""
+    for name, wl in workload.variant_workloads():
+        check_supported(wl)
+        stream = _streamable(wl)
+        source = request_source(wl, stream)
+        requests = streams.once(source, lambda: _load(wl, stream))
+        requests.begin_pass(wl.cache.tokens_per_block)
+        yield name, plan_run(wl, requests), requests, source
+
+
+@contextmanager
+def _streams(streams: Store | None):
+    """`streams`, or a store of its own (no bound) released on leaving."""
+    if streams is not None:
+        yield streams
+        return
+    kept = request_streams()
     try:
-        for name, wl in workload.variant_workloads():
-            check_supported(wl)
-            stream = _streamable(wl)
-            source = request_source(wl, stream)
-            requests = loaded.get(source)
-            if requests is None:
-                requests = loaded[source] = _load(wl, stream)
-            yield name, plan_run(wl, requests), requests, source
-            requests.end_pass()
+        yield kept
     finally:
-        for requests in loaded.values():
-            if isinstance(requests, SpilledTrace):
-                requests.close()
+        kept.clear()
+
+
+def _release(requests: RequestList | SpilledTrace) -> None:
+    if isinstance(requests, SpilledTrace):
+        requests.close()
 
 
 def request_source(wl: Workload, stream: bool) -> str:

@@ -379,9 +379,10 @@ def test_trace_stats_token_requests():
     assert trace_stats(reqs, block_sizes=(100,))["ideal_hit_rate"][100] == (200 + 100) / 850
 
 
-def test_each_run_forgets_the_memos_of_the_requests_it_used(monkeypatch, tmp_path):
-    """The loaded request list outlives a variant's run (the next variant reuses it) and
-    forgets its requests' memoised keys when each run is done (`RequestList.end_pass`)."""
+def test_a_run_keeps_the_memos_of_its_block_size_only(monkeypatch, tmp_path):
+    """The loaded request list outlives a variant's run (the next variant reuses it): a run at
+    the previous run's block size reuses its memoised keys, a run at another begins without
+    them (`RequestList.begin_pass`)."""
     import kvbench.runner as runner
     from kvbench.config import load_workload
     from kvbench.traffic import RequestList
@@ -392,18 +393,24 @@ def test_each_run_forgets_the_memos_of_the_requests_it_used(monkeypatch, tmp_pat
         "requests: {source: synthetic, synthetic: {generator: shared_prefix, num_requests: 30,"
         " system_prompt_tokens: 64, prompt_tokens: 32, num_users: 4}}\n"
         "run: {mode: cache, progress: false}\n"
-        "variants: [{name: a, set: {}}, {name: b, set: {cache.tokens_per_block: 32}}]\n")
+        "variants: [{name: a, set: {}}, {name: a2, set: {cache.max_tokens: 2048}},"
+        " {name: b, set: {cache.tokens_per_block: 32}}]\n")
     seen = []
     real = runner.run_cache
 
+    def memos(requests):
+        return [{tpb: id(keys) for tpb, keys in r._keys.items()} for r in requests]
+
     def spy(name, plan, requests, progress, references):
+        before = memos(requests)
         out = real(name, plan, requests, progress, references)
-        seen.append((requests, sorted({tpb for r in requests for tpb in r._keys})))
+        seen.append((requests, before, memos(requests)))
         return out
 
     monkeypatch.setattr(runner, "run_cache", spy)
     runner.run_workload(load_workload(path))
-    (first, keys_a), (second, keys_b) = seen
-    assert first is second and isinstance(first, RequestList)
-    assert keys_a == [16] and keys_b == [32]  # a's memos were gone before b ran
-    assert not any(r._keys or r._firsts for r in first)
+    (first, none, keys_a), (second, reused, keys_a2), (third, gone, keys_b) = seen
+    assert first is second is third and isinstance(first, RequestList)
+    assert all(m == {} for m in none) and all(list(m) == [16] for m in keys_a)
+    assert reused == keys_a == keys_a2  # a2 began with a's memos (the same lists) and kept them
+    assert all(m == {} for m in gone) and all(list(m) == [32] for m in keys_b)  # b: without

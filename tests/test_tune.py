@@ -256,11 +256,11 @@ def test_interrupted_then_killed_study_resumes_to_n_trials(tmp_path, monkeypatch
 
     real_run, calls = kvbench.runner.run_workload, []
 
-    def run_then_interrupt(wl, progress=None, references=None):
+    def run_then_interrupt(wl, progress=None, references=None, streams=None):
         calls.append(wl)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real_run(wl, progress, references)
+        return real_run(wl, progress, references, streams)
 
     monkeypatch.setattr(kvbench.runner, "run_workload", run_then_interrupt)
     result = invoke(*args)

@@ -25,40 +25,62 @@ ProgressFactory = Callable[[str, int], Callable[[int], None]]
 T = TypeVar("T")
 
 
-class References:
-    """Reference results (ideal, optimal and LRU hit rates) kept across runs, so runs that
-    differ only in what a reference does not read compute it once. A key names the request
-    stream (`StreamReferences.source`) and every input the reference reads; a value is a few
-    numbers. At most `max_entries` are kept, the least recently used dropped first (None: no
-    bound, for the variants of one workload, which its file counts)."""
+class Store:
+    """Values kept across runs under keys: at most `max_entries` (None: no bound), the least
+    recently used dropped first, handed to `release` (which frees what it holds: a spilled
+    trace's file)."""
 
-    __slots__ = ("_entries", "max_entries")
+    __slots__ = ("_entries", "max_entries", "_release")
 
-    def __init__(self, max_entries: int | None = None) -> None:
-        self._entries: OrderedDict[tuple, object] = OrderedDict()
+    def __init__(self, max_entries: int | None = None,
+                 release: Callable[[object], None] | None = None) -> None:
+        self._entries: OrderedDict[object, object] = OrderedDict()
         self.max_entries = max_entries
+        self._release = release
 
-    def once(self, key: tuple, compute: Callable[[], T]) -> T:
+    def once(self, key, compute: Callable[[], T]) -> T:
         """The value kept under `key`, else `compute()`, kept."""
         if key in self._entries:
             self._entries.move_to_end(key)
             return self._entries[key]  # type: ignore[return-value]
         value = self._entries[key] = compute()
         if self.max_entries is not None and len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            self._drop(self._entries.popitem(last=False)[1])
         assert self._check_sanity()
         return value
 
-    def of(self, source: str) -> StreamReferences:
-        """This store as the runs on the request stream `source` see it."""
-        return StreamReferences(self, source)
+    def clear(self) -> None:
+        """Drop every value (released)."""
+        while self._entries:
+            self._drop(self._entries.popitem(last=False)[1])
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _drop(self, value: object) -> None:
+        if self._release is not None:
+            self._release(value)
+
     def _check_sanity(self) -> bool:
         assert self.max_entries is None or len(self._entries) <= self.max_entries
         return True
+
+
+class References(Store):
+    """Reference results (ideal, optimal and LRU hit rates) kept across runs, so runs that
+    differ only in what a reference does not read compute it once. A key names the request
+    stream (`StreamReferences.source`) and every input the reference reads; a value is a few
+    numbers. At most `max_entries` are kept (None: no bound, for the variants of one
+    workload, which its file counts)."""
+
+    __slots__ = ()
+
+    def __init__(self, max_entries: int | None = None) -> None:
+        super().__init__(max_entries)
+
+    def of(self, source: str) -> StreamReferences:
+        """This store as the runs on the request stream `source` see it."""
+        return StreamReferences(self, source)
 
 
 @dataclass(frozen=True, slots=True)

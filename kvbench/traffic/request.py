@@ -149,13 +149,15 @@ class Request:
         return self.hash_ids[positions // block] * block + positions % block
 
     def drop_keys(self) -> None:
-        """Forget cached keys (a long replay streams requests and frees them as it goes)."""
+        """Forget what is memoised per block size (a long replay streams requests and frees
+        them as it goes)."""
         self._keys.clear()
         self._key_arrays.clear()
         self._firsts.clear()
         self._stream_keys.clear()
         self._stream_key_arrays.clear()
         self._stream_firsts.clear()
+        self._retentions.clear()
 
     def prompt_tokens(self, start: int = 0, end: int | None = None) -> np.ndarray:
         """Prompt tokens [start, end) as int64."""
@@ -261,16 +263,24 @@ def _keys_array(cache: dict[int, np.ndarray], tokens_per_block: int,
 
 class RequestList(list):
     """A request stream held in memory. Its requests memoise their block keys, first tokens
-    and retentions per block size while a run uses them; a run over the whole stream ends
-    with `end_pass`, which forgets them: the list outlives the run (variants that leave the
-    requests alone reuse it), and its memos must not."""
+    and retentions per block size while a run uses them, and keep them after it: the list
+    outlives the run (the variants of a workload and the trials of a tune study that leave
+    the requests alone reuse it), and a next run at the same block size reuses the memos.
+    `begin_pass` forgets those of another block size, so the memos held between runs are
+    at most what the last run made (every pool of a run shares its block size)."""
 
-    __slots__ = ()
+    __slots__ = ("_memo_block_size",)
 
-    def end_pass(self) -> None:
-        """A run over the stream is done: forget every request's memoised keys."""
-        for r in self:
-            r.drop_keys()
+    def __init__(self, *requests) -> None:
+        super().__init__(*requests)
+        self._memo_block_size: int | None = None
+
+    def begin_pass(self, tokens_per_block: int) -> None:
+        """A run at `tokens_per_block` starts: forget memos made at another block size."""
+        if self._memo_block_size not in (None, tokens_per_block):
+            for r in self:
+                r.drop_keys()
+        self._memo_block_size = tokens_per_block
 
 
 class StreamView:

@@ -130,9 +130,10 @@ class SpilledTrace:
                 yield chunk[stop - n:stop]
                 stop -= n
 
-    def end_pass(self) -> None:
-        """A run over the stream is done: nothing to forget, each pass makes its Request
-        objects afresh and their memoised keys go with them."""
+    def begin_pass(self, tokens_per_block: int) -> None:
+        """A run starts: nothing to forget, each pass makes its Request objects afresh and
+        their memoised keys go with them (keeping them would make memory grow with the
+        trace, which spilling avoids)."""
 
     def close(self) -> None:
         self._dir.cleanup()

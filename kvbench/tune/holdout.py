@@ -26,21 +26,26 @@ class HoldoutRun:
 def holdout_runs(plan: Plan, best: FrozenTrial) -> list[HoldoutRun]:
     """The best trial's configuration and the workload as written, each run on the held-out
     requests: does the tuned configuration beat the untuned one on traffic it never saw? The
-    two share the references they have in common (not the trials': other requests)."""
+    two share the held-out requests and the references they have in common (not the
+    trials': other requests)."""
     from ..modes.common import References
-    from ..runner import run_workload
+    from ..runner import request_streams, run_workload
 
     split = plan.holdout
     assert split is not None
     base_sets = plan.job.sets[:len(plan.job.sets) - len(split.tune_sets)]
     references = References()
+    streams = request_streams(1)
     out = []
-    for label, chosen, tuned in (("best trial", plan.decoded_params(best),
-                                  best.user_attrs.get("metrics")),
-                                 ("as written", {}, None)):
-        sets = [*base_sets, *split.holdout_sets,
-                *(f"{k}={json.dumps(v)}" for k, v in chosen.items())]
-        metrics = run_workload(load_workload(plan.job.workload, sets), references=references
-                               )[0].metrics
-        out.append(HoldoutRun(label, chosen, tuned, metrics))
+    try:
+        for label, chosen, tuned in (("best trial", plan.decoded_params(best),
+                                      best.user_attrs.get("metrics")),
+                                     ("as written", {}, None)):
+            sets = [*base_sets, *split.holdout_sets,
+                    *(f"{k}={json.dumps(v)}" for k, v in chosen.items())]
+            metrics = run_workload(load_workload(plan.job.workload, sets),
+                                   references=references, streams=streams)[0].metrics
+            out.append(HoldoutRun(label, chosen, tuned, metrics))
+    finally:
+        streams.clear()
     return out

@@ -376,7 +376,8 @@ _m("data_plane_host_ms_per_step", "number", "ms", "data plane host time per step
 _m("wall_s", "number", "s", "wall time", "Run", format_seconds, INFO, pinned=True,
    description="Harness wall time, the references included (those an earlier variant of "
                "the same workload or an earlier trial of the same tune study computed are "
-               "reused, not timed again); never a gate.")
+               "reused, not timed again, as are block keys an earlier run on the same requests "
+               "at the same block size memoised); never a gate.")
 
 METRICS: dict[str, Metric] = {m.name: m for m in _REGISTRY}
 """Every metric by name, in table order."""

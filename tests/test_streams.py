@@ -18,6 +18,7 @@ from kvbench.config import load_workload
 from kvbench.modes.common import References
 from kvbench.traffic import Request, RequestList
 from kvbench.traffic.spill import SpilledTrace
+from test_references import _study as study_of
 
 SYNTHETIC = ("{source: synthetic, synthetic: {num_requests: 60, num_users: 6, turns: 5,"
              " prompt_tokens: 96, system_prompt_tokens: 256, output_tokens: 40}}")
@@ -107,15 +108,8 @@ class _Watch:
 
 
 def _study(path):
-    plan = T.prepare(T.TuneJob(str(path), n_trials=100,
-                               storage=f"sqlite:///{path.parent / 'study.db'}"))
-    storage = T.open_storage(plan)
-    T.create_study(plan, storage)
-    assert T.run_worker(plan, storage=storage) == "done"
-    trials = optuna.load_study(study_name=plan.study_name, storage=storage).get_trials()
-    assert all(t.user_attrs["outcome"] == T.COMPLETE for t in trials), \
-        [t.user_attrs.get("reason") for t in trials]
-    assert len(trials) == plan.grid_size
+    """A grid study in this process; (plan, its complete trials in the order they ran)."""
+    plan, _, trials = study_of(path)
     return plan, sorted(trials, key=lambda t: t.number)
 
 

@@ -52,6 +52,7 @@ LOW_BYTE = np.array(255, np.int64)
 """An entry's payload: `entry & LOW_BYTE`."""
 TICK_SHIFT = np.array(8, np.int64)
 """An entry's clock: `entry >> TICK_SHIFT`."""
+_TICK = 1 << int(TICK_SHIFT)
 
 DICT_HISTORY_MAX = 1 << 15
 """The largest `KeyHistory` capacity kept in a dict (at most twice that many keys: a few MB,
@@ -73,6 +74,12 @@ def chain_keys(index: PrefixIndex, blocks: list[BlockId]) -> tuple[np.ndarray, b
     chain = blocks[:0:-1] if partial else blocks[::-1]
     return np.fromiter(map(record_key, map(index.stored.__getitem__, chain)), np.int64,
                        len(chain)), partial
+
+
+def tick_entries(clock: int, n: int) -> np.ndarray:
+    """The entries of the `n` ticks after `clock`, payload 0 (`tick << TICK_SHIFT`, int64):
+    what a release's keys, touched one tick each, are stored with."""
+    return np.arange((clock + 1) * _TICK, (clock + n + 1) * _TICK, _TICK, np.int64)
 
 
 def _one_run(index: PrefixIndex, blocks: list[BlockId]

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, chain_keys
+from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, chain_keys, tick_entries
 
 _UNIT = 1024
 """H is kept in 1/1024ths of `freq_weight = 1` (ints compare exactly)."""
@@ -62,8 +62,7 @@ class GDSFPolicy(ClassQueuePolicy):
         freq = self._counted[earlier & LOW_BYTE]
         start = hist.clock
         hist.clock = start + keys.size + partial  # a partial block ticks, unremembered
-        ticks = np.arange((start + 1) << 8, (start + keys.size + 1) << 8, 1 << 8)
-        hist.store(keys, slots, ticks | freq, earlier)
+        hist.store(keys, slots, tick_entries(start, keys.size) | freq, earlier)
         return self._cuts(freq, top, partial), self.inflation
 
     def _now(self) -> int:

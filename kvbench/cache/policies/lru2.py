@@ -69,7 +69,7 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import TICK_SHIFT, KeyHistory, chain_keys
+from .base import TICK_SHIFT, KeyHistory, chain_keys, tick_entries
 
 _LEVEL_BITS = 7
 _LEVEL_MASK = (1 << _LEVEL_BITS) - 1
@@ -183,8 +183,7 @@ class LRU2Policy:
             np.right_shift(earlier, TICK_SHIFT, out=ticks[:known.size])
         capped = np.minimum.accumulate(ticks)
         hist.clock = clock + n
-        hist.store(known, slots, np.arange((clock + 1) << 8, (clock + known.size + 1) << 8,
-                                           1 << 8, np.int64), earlier)
+        hist.store(known, slots, tick_entries(clock, known.size), earlier)
         if self._shadow_cap:  # the sampled keys (a partial block has none) and their ranks
             picked = self._sampled[known % _SAMPLE_PRIME].nonzero()[0]
             if picked.size:

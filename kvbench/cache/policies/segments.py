@@ -21,7 +21,7 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import KeyHistory, chain_keys, record_key
+from .base import KeyHistory, chain_keys, record_key, tick_entries
 from .run_queue import RunQueue
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
@@ -210,8 +210,7 @@ class SLRUPolicy(_TwoQueues):
         # block's is the last, unremembered).
         start = hist.clock
         hist.clock = start + known.size + partial
-        ticks = np.arange((start + 1) << 8, (start + known.size + 1) << 8, 1 << 8)
-        hist.store(known, slots, ticks, earlier)
+        hist.store(known, slots, tick_entries(start, known.size), earlier)
         # Protected: reused while cached, or new data whose key was used before.
         for i, _ in self._returned(blocks):
             seen[i] = True

@@ -161,7 +161,6 @@ class _Objective:
         self.current: int | None = None
         self.worker = worker_id()
         from ..modes.common import References
-
         from ..runner import request_streams
 
         self.references = References(REFERENCE_ENTRIES)

@@ -243,6 +243,30 @@ def _running(trials, plan: T.Plan) -> bool:
                for t in trials)
 
 
+def test_a_trial_killed_before_its_first_heartbeat_goes_stale(tmp_path):
+    """A worker killed between creating a trial and its first heartbeat leaves a running
+    trial without one: once it started more than the grace period (3 heartbeats) ago it is
+    failed and queued again like a stale one (a resumed study would otherwise wait for it
+    forever); a trial just started, or one whose heartbeat is fresh, is left running."""
+    import optuna
+
+    plan = T.prepare(T.TuneJob(str(write(tmp_path)), n_trials=4,
+                               storage=f"sqlite:///{tmp_path}/h.db", heartbeat_s=1))
+    storage = T.open_storage(plan)
+    study, _ = T.create_study(plan, storage)
+    silent, beating = study.ask(), study.ask()
+    storage.record_heartbeat(beating._trial_id)
+    optuna.storages.fail_stale_trials(study)
+    assert [t.state for t in study.get_trials()] == [TrialState.RUNNING] * 2
+    time.sleep(3.3)
+    storage.record_heartbeat(beating._trial_id)
+    optuna.storages.fail_stale_trials(study)
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.RUNNING,
+                                         TrialState.WAITING]
+    assert trials[2].system_attrs["failed_trial"] == silent.number
+
+
 def test_interrupted_then_killed_study_resumes_to_n_trials(tmp_path, monkeypatch):
     path = write(tmp_path)
     storage = f"sqlite:///{tmp_path}/k.db"

@@ -24,6 +24,8 @@ a study left by a killed process is completed by the next `kvbench tune`.
 
 Heartbeats: RDB storages (SQLite, PostgreSQL, MySQL) use Optuna's heartbeat; journal files use
 the same mechanism through `_HeartbeatJournalStorage` (the journal backend has none of its own).
+In both, a running trial that never recorded a heartbeat (its worker was killed right after
+creating it) goes stale by its start time (`_HeartbeatRDBStorage`: Optuna's check skips it).
 
 The package: `plan` (the job checked once from the workload; `--holdout` splits the requests
 there), `holdout` (the best trial on the held-out requests), `storage` (where a study lives,

@@ -90,6 +90,39 @@ def _journal_storage_class():
     return _HeartbeatJournalStorage
 
 
+def _rdb_storage_class():
+    from optuna.storages import RDBStorage
+    from optuna.storages._rdb import models
+    from optuna.storages._rdb.storage import _create_scoped_session
+    from optuna.trial import TrialState
+
+    class _HeartbeatRDBStorage(RDBStorage):
+        """Optuna's RDB storage, where a running trial that never recorded a heartbeat is
+        stale too once it started more than the grace period ago, as in the journal storage:
+        its worker died between creating it and its first heartbeat. Optuna passes such a
+        trial over, and a study holding one would wait for it forever."""
+
+        def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+            stale = super()._get_stale_trial_ids(study_id)
+            trial, beat = models.TrialModel, models.TrialHeartbeatModel
+            with _create_scoped_session(self.scoped_session) as session:
+                silent = (session.query(trial.trial_id)
+                          .outerjoin(beat, beat.trial_id == trial.trial_id)
+                          .filter(trial.study_id == study_id, trial.state == TrialState.RUNNING,
+                                  beat.trial_id.is_(None))
+                          .all())
+            # Rare (a worker records its trial's heartbeat right after creating it); a start
+            # time is the creating worker's clock, read as the journal storage reads it.
+            now = time.time()
+            for (trial_id,) in silent:
+                start = self.get_trial(trial_id).datetime_start
+                if start is not None and now - start.timestamp() > self.grace_period:
+                    stale.append(trial_id)
+            return stale
+
+    return _HeartbeatRDBStorage
+
+
 def open_storage(plan: Plan):
     """The study's Optuna storage, with heartbeats and re-queueing of stale trials."""
     _quiet_optuna()
@@ -102,7 +135,6 @@ def open_storage(plan: Plan):
         raise InputError(f"--storage {url}: expected an Optuna storage URL (sqlite:///FILE, "
                          "postgresql://USER@HOST/DB, ...) or journal:PATH")
     import sqlalchemy.exc
-    from optuna.storages import RDBStorage
 
     engine_kwargs: dict = {}
     if url.startswith("sqlite:"):
@@ -117,13 +149,14 @@ def open_storage(plan: Plan):
             engine_kwargs = {"connect_args": {"timeout": 60}}
     kwargs = dict(engine_kwargs=engine_kwargs, heartbeat_interval=interval, grace_period=grace)
     callback = _retry_callback()
+    storage_class = _rdb_storage_class()
     last: Exception | None = None
     for attempt in range(3):  # workers starting together may race to create the tables
         try:
             try:
-                return RDBStorage(url, heartbeat_stale_trial_callback=callback, **kwargs)
+                return storage_class(url, heartbeat_stale_trial_callback=callback, **kwargs)
             except TypeError:  # optuna < 4.9
-                return RDBStorage(url, failed_trial_callback=callback, **kwargs)
+                return storage_class(url, failed_trial_callback=callback, **kwargs)
         except ImportError as exc:
             cause = exc.__cause__ or exc
             hint = (" (pip install 'psycopg[binary]' for postgresql://, or psycopg2-binary for "

@@ -243,6 +243,8 @@ def _running(trials, plan: T.Plan) -> bool:
                for t in trials)
 
 
+# study.ask() stands in for a worker's trial: Optuna warns that heartbeats go with optimize().
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
 def test_a_trial_killed_before_its_first_heartbeat_goes_stale(tmp_path):
     """A worker killed between creating a trial and its first heartbeat leaves a running
     trial without one: once it started more than the grace period (3 heartbeats) ago it is

@@ -27,6 +27,12 @@ app.add_typer(trace_app, name="trace")
 out = Console()
 err = Console(stderr=True)
 
+
+def _say(message: str) -> None:
+    """One status line on stderr as written: a path in it is never wrapped (a wrapped path
+    cannot be copied) nor read as rich markup (`[...]` is legal in a file name)."""
+    err.print(message, highlight=False, markup=False, soft_wrap=True)
+
 # A flag takes no value, so its type (`<bool>`) is noise in the help. The hook is a typer
 # internal that not every typer release has (`typer>=0.12` is all we require): without it
 # the help shows the type and nothing else changes.
@@ -113,7 +119,7 @@ def run(
     if json_out is not None:
         json_out.write_text(_json_text(result))
         if not quiet and not json_out.is_stdout:
-            err.print(f"wrote {json_path}")
+            _say(f"wrote {json_path}")
     if baseline_out is not None:
         from .results import updated_baseline
 
@@ -121,7 +127,7 @@ def run(
         baseline_out.write_text(_json_text(baseline))
         if not quiet:
             also = (f"; kept {', '.join(kept)} from it (--replace drops them)" if kept else "")
-            err.print(f"updated baseline {update_baseline}{also}")
+            _say(f"updated baseline {update_baseline}{also}")
 
 
 def _replay(wl, repeat: int, quiet: bool, tables, overridden: bool) -> list:
@@ -136,7 +142,7 @@ def _replay(wl, repeat: int, quiet: bool, tables, overridden: bool) -> list:
 
         header = describe_source(wl.requests, resolve_path(wl, "."))
         if header is not None:
-            err.print(header, highlight=False, markup=False, soft_wrap=True)
+            _say(header)
     with _progress(not quiet and wl.run.progress) as factory:
         outcomes = [o for _ in range(repeat) for o in run_workload(wl, factory)]
     if not quiet:
@@ -149,7 +155,7 @@ def _warn(workload) -> None:
     from .runner import workload_warnings
 
     for warning in workload_warnings(workload):
-        err.print(f"kvbench: warning: {warning}", highlight=False, markup=False, soft_wrap=True)
+        _say(f"kvbench: warning: {warning}")
 
 
 def _json_text(data: dict) -> str:
@@ -303,7 +309,7 @@ def report(
     target = output_dir(out_dir or result.with_name(result.stem + "-report"), "--out")
     written = write_report(read_result(result), target, source=str(result))
     if not quiet:
-        err.print(f"wrote {len(written)} files; open {target / 'index.html'}")
+        _say(f"wrote {len(written)} files; open {target / 'index.html'}")
 
 
 @app.command(epilog=_example(
@@ -340,7 +346,7 @@ def calibrate(
     problem = flashinfer_problem(wl.model.dtype)
     if problem:
         raise InputError(f"kvbench calibrate: {problem}")
-    log = (lambda line: None) if quiet else (lambda line: err.print(line, highlight=False))
+    log = (lambda line: None) if quiet else _say
     profile = measure(wl.model, wl.cache.tokens_per_block, wl.scheduler.max_batch_size,
                       seed=wl.run.seed, log=log)
     if target is None:
@@ -349,7 +355,7 @@ def calibrate(
         target = output_file(out_path, "--out")
     target.write_text(profile.to_yaml())
     if not quiet and not target.is_stdout:
-        err.print(f"wrote {out_path}")
+        _say(f"wrote {out_path}")
 
 
 FormatOption = Annotated[str, typer.Option(
@@ -480,7 +486,7 @@ def trace_convert_cmd(
     if not quiet and not target.is_stdout:
         how = (f"requests.format: mooncake, requests.block_tokens: {block}" if to == "mooncake"
                else "requests.format: token_ids")
-        err.print(f"wrote {n:,} requests to {output}; read it with {how}", highlight=False)
+        _say(f"wrote {n:,} requests to {output}; read it with {how}")
 
 
 class _progress:
@@ -513,7 +519,7 @@ class _progress:
 
 def _show_trace_warning(message, category, filename, lineno, file=None, line=None) -> None:
     if issubclass(category, TraceWarning):
-        err.print(f"kvbench: warning: {message}", highlight=False, markup=False, soft_wrap=True)
+        _say(f"kvbench: warning: {message}")
     else:
         _default_showwarning(message, category, filename, lineno, file, line)
 
@@ -540,11 +546,10 @@ def main() -> None:
             err.print("kvbench: interrupted")
         raise
     except InputError as exc:
-        err.print(f"kvbench: error: {_one_line(str(exc))}", highlight=False, markup=False,
-                  soft_wrap=True)
+        _say(f"kvbench: error: {_one_line(str(exc))}")
         sys.exit(2)
     except RegressionFound as exc:
-        err.print(f"kvbench: {exc}", highlight=False, markup=False, soft_wrap=True)
+        _say(f"kvbench: {exc}")
         sys.exit(3)
     except KeyboardInterrupt:
         err.print("kvbench: interrupted")
@@ -552,7 +557,6 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - the one place runtime failures become exit 1
         if os.environ.get("KVBENCH_DEBUG"):
             raise
-        err.print(f"kvbench: failed: {type(exc).__name__}: {exc} "
-                  "(KVBENCH_DEBUG=1 shows the traceback)", highlight=False, markup=False,
-                  soft_wrap=True)
+        _say(f"kvbench: failed: {type(exc).__name__}: {exc} "
+             "(KVBENCH_DEBUG=1 shows the traceback)")
         sys.exit(1)

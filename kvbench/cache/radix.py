@@ -29,6 +29,7 @@ several times the cache's size (cache misses) and a check of each stale entry th
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -163,34 +164,39 @@ class PrefixIndex:
         A key already held by another block is skipped: that duplicate stays private to its
         sequence and is dropped when released."""
         by_key, stored, tpb, kids = self.by_key, self.stored, self.tpb, self.kids
-        if kids is None:
-            for i in range(begin, end):
-                key = keys[i]
+        run_keys = keys[begin:end]
+        run_blocks = blocks[begin:end]
+        tracked = ()
+        if kids is not None:
+            # The block after the run, if any, is its last block's next (NO_BLOCK reads as
+            # none).
+            nexts = blocks[begin + 1:end + 1]
+            if len(nexts) < end - begin:
+                nexts.append(NO_NEXT)
+            tracked = (nexts, repeat(self._stamp))
+            self._stamp += 1
+        # zip builds the records in C: a chain's parents are its keys shifted by one.
+        records = zip(run_keys, [parent_key, *run_keys[:-1]], repeat(tpb), repeat(request),
+                      range(begin, end), *tracked)
+        fresh = by_key.keys().isdisjoint(run_keys)
+        if fresh:  # the usual case: only the stores into `stored` loop in Python
+            by_key.update(zip(run_keys, run_blocks))
+            for b, rec in zip(run_blocks, records):
+                stored[b] = rec
+        else:
+            for key, b, rec in zip(run_keys, run_blocks, records):
                 if key not in by_key:
-                    b = blocks[i]
                     by_key[key] = b
-                    stored[b] = (key, parent_key, tpb, request, i)
-                parent_key = key
+                    stored[b] = rec
+        if kids is None:
             return
-        # The block after the run, if any, is its last block's next (NO_BLOCK reads as none).
-        nexts = blocks[begin + 1:end + 1]
-        if len(nexts) < end - begin:
-            nexts.append(NO_NEXT)
-        stamp = self._stamp
-        self._stamp += 1
-        known, root = len(by_key), parent_key
-        for i, key, b, nxt in zip(range(begin, end), keys[begin:end], blocks[begin:end], nexts):
-            if key not in by_key:
-                by_key[key] = b
-                stored[b] = (key, parent_key, tpb, request, i, nxt, stamp)
-            parent_key = key
         # Filed in `kids`: each stored block its parent's holder does not name. Only the
         # first one, unless a key was held by another block (then the one after it too).
-        for i in range(begin, end) if len(by_key) - known < end - begin else (begin,):
+        for i in (begin,) if fresh else range(begin, end):
             b = blocks[i]
-            parent_key = keys[i - 1] if i > begin else root
-            if by_key[keys[i]] == b and self._next_of(parent_key) != b:
-                self._add_kid(parent_key, request.first_token(tpb, i), b)
+            parent = keys[i - 1] if i > begin else parent_key
+            if by_key[keys[i]] == b and self._next_of(parent) != b:
+                self._add_kid(parent, request.first_token(tpb, i), b)
         if len(kids) > self._rebuild_at:
             self._rebuild_kids()
 

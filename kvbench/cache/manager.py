@@ -276,7 +276,6 @@ class KVCacheManager(AddPath, HostTier):
         empty; a beam's own blocks are never stored, so they become empty. Commit the
         sequence first, or its computed blocks are lost. Returns the GPU blocks freed."""
         blocks = seq.blocks
-        blocks = seq.blocks
         freed = 0
         shared = seq.shared_blocks
         lo = max(begin, shared) - shared

@@ -30,10 +30,12 @@ is compacted (amortised O(1) per queued block)."""
 class RunQueue:
     """FIFOs `0 .. fifos - 1` of free blocks, each a deque of runs; a block is in at most one.
 
-    Invariants (`_check_sanity`): `where[b]` is the run holding queued block `b` (None
-    otherwise) and `b` sits at or after that run's start; a run's live count is the number of
-    its blocks from its start on whose `where` is the run; `count[q]` is the sum of FIFO q's
-    live counts, and bit q of `nonempty` is set iff `count[q] > 0`; `held[q]` is the number of
+    Invariants (`_check_sanity`): `where[b]` is the run holding queued block `b`, and `b`
+    sits at or after that run's start; for a block not queued it is None or a run with no
+    live block (a run taken whole is left named by its blocks: no write per victim, and a
+    block is queued again before long); a queued run's live count is the number of its
+    blocks from its start on whose `where` is the run; `count[q]` is the sum of FIFO q's live
+    counts, and bit q of `nonempty` is set iff `count[q] > 0`; `held[q]` is the number of
     entries FIFO q's runs hold from their starts on."""
 
     __slots__ = ("_runs", "_where", "_count", "_held", "_nonempty", "_size", "last_stamp")
@@ -52,7 +54,8 @@ class RunQueue:
         return self._size
 
     def __contains__(self, block: BlockId) -> bool:
-        return self._where[block] is not None
+        run = self._where[block]
+        return run is not None and run[_LIVE] > 0
 
     def push_run(self, blocks: list[BlockId], fifo: int, stamp: int, keys: list | None = None
                  ) -> None:
@@ -78,7 +81,7 @@ class RunQueue:
     def remove(self, block: BlockId) -> int:
         """Take `block` out of its run; returns its FIFO (`last_stamp`: its stamp)."""
         run = self._where[block]
-        assert run is not None, "block not in the free queue"
+        assert run is not None and run[_LIVE], "block not in the free queue"
         self._where[block] = None
         self.last_stamp = run[_STAMP]
         run[_LIVE] -= 1
@@ -168,7 +171,7 @@ class RunQueue:
     def fifo_of(self, block: BlockId) -> int:
         """The FIFO holding `block`, -1 if it is not queued."""
         run = self._where[block]
-        return -1 if run is None else run[_FIFO]
+        return -1 if run is None or not run[_LIVE] else run[_FIFO]
 
     def stamp_of(self, block: BlockId) -> int:
         """The stamp of queued `block`'s run."""
@@ -214,14 +217,15 @@ class RunQueue:
                 live -= len(taken)
                 if not live:  # only holes after it
                     stop = end
-            for b in taken:
-                where[b] = None
             held += stop - start
-            if stop == end:
+            if stop == end:  # taken whole: its blocks still name it, a run with none live
                 runs.popleft()
+                run[_LIVE] = 0
             else:
                 run[_START] = stop
                 run[_LIVE] = live
+                for b in taken:
+                    where[b] = None
             if pieces is None:
                 out += taken
             else:
@@ -274,7 +278,7 @@ class RunQueue:
             assert live == self._count[q] and held == self._held[q]
             assert bool(self._nonempty >> q & 1) == (live > 0)
             queued += live
-        assert queued == self._size == sum(r is not None for r in self._where)
+        assert queued == self._size == sum(r is not None and r[_LIVE] > 0 for r in self._where)
         for b, run in enumerate(self._where):
-            assert run is None or b in run[_BLOCKS][run[_START]:]
+            assert run is None or not run[_LIVE] or b in run[_BLOCKS][run[_START]:]
         return True

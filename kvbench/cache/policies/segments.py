@@ -259,7 +259,12 @@ class GhostKeys:
 
     def contains(self, keys: list) -> list[bool]:
         """Whether each of `keys` (None: never) is remembered."""
-        return list(map(self._keys.__contains__, keys))
+        # Most releases hold no ghost (1 in 20 on the conversation trace): one pass in C
+        # over the large set, then the few found, a small set, asked per key.
+        found = self._keys.intersection(keys)
+        if not found:
+            return [False] * len(keys)
+        return list(map(found.__contains__, keys))
 
     def record(self, keys: list, keyless: bool = True) -> None:
         """Record each of `keys` (distinct, none remembered) at its own tick; with `keyless`

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import LOW_BYTE, TICK_SHIFT, ClassQueuePolicy, KeyHistory, chain_keys
+from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, chain_keys, tick_entries
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,19 +78,21 @@ class PredictivePolicy(ClassQueuePolicy):
         slots, earlier = hist.find(keys)
         was = earlier & LOW_BYTE  # 0: not remembered
         cls = self._next_class[was]  # a key not remembered: class 1
-        start = hist.clock
-        hist.clock = start + keys.size + partial  # a partial block ticks, unremembered
-        ticks = np.arange(start + 1, start + keys.size + 1, dtype=np.int64)
-        # A use followed by this one within the horizon was reused soon. Keys not remembered
-        # fall in bin 0 (their tick minus 0 may be within it): dropped, class 0 is unused.
-        soon = np.bincount(was[(earlier >> TICK_SHIFT) >= ticks - self._horizon],
+        start, n = hist.clock, keys.size
+        hist.clock = start + n + partial  # a partial block ticks, unremembered
+        # A use followed by this one within the horizon was reused soon: its entry is at
+        # least the entry of the tick `horizon` before this one's (the payload is below one
+        # tick), so one arange stands for the ticks, the shift and the subtraction. Keys not
+        # remembered fall in bin 0 (their entry 0 may be within it): dropped, class 0 is
+        # unused.
+        soon = np.bincount(was[earlier >= tick_entries(start - self._horizon, n)],
                            minlength=top + 1).tolist()
         soon[0] = 0
         used = np.bincount(cls, minlength=top + 1)
         used[1] += partial
         self.reuses = [a + b for a, b in zip(self.reuses, soon)]
         self.uses = [a + b for a, b in zip(self.uses, used.tolist())]
-        hist.store(keys, slots, (ticks << TICK_SHIFT) | cls, earlier)
+        hist.store(keys, slots, tick_entries(start, n) | cls, earlier)
         self._update_shifts()
         return self._cuts(cls, top, partial), start
 

@@ -353,6 +353,19 @@ class S3FIFOPolicy(_TwoQueues):
         # Returns are accesses: each goes back to the FIFO it left, its count one higher.
         # The release is queued in pieces of one count: new data between the returns.
         freq, top = self._freq, self.params.max_freq
+        cut = len(blocks) - len(same)
+        if same[0][0] == cut:
+            # Mostly the returns are the release's tail (its shallowest blocks) and of one
+            # count: new data, then one piece, with no step per return.
+            tail = blocks[cut:]
+            counts = bytes(map(freq.__getitem__, tail))
+            count = min(min(counts) + 1, top)
+            if count == min(max(counts) + 1, top):
+                if cut:
+                    self._queue_split(blocks[:cut], second[:cut], priority, 0, keys[:cut])
+                self._queue_split(tail, [left - 1 for _, left in same], priority, count,
+                                  keys[cut:])
+                return
         start = 0
         piece: list = []
         for i, left in same:

@@ -203,18 +203,37 @@ class SLRUPolicy(_TwoQueues):
         hist = self.history
         known, partial = chain_keys(self.index, blocks)  # shallowest first
         slots, earlier = hist.find(known)
-        seen = (earlier[::-1] > 0).tolist()  # deepest first, as `blocks`
-        if partial:  # the deepest block may be partial (no key): never seen
-            seen.insert(0, False)
         # The sequence touched its blocks shallowest first: one clock tick each (the partial
         # block's is the last, unremembered).
         start = hist.clock
         hist.clock = start + known.size + partial
         hist.store(known, slots, tick_entries(start, known.size), earlier)
-        # Protected: reused while cached, or new data whose key was used before.
-        for i, _ in self._returned(blocks):
-            seen[i] = True
-        self._queue_split(blocks, seen, priority)
+        # Protected: reused while cached, or new data whose key was used before. Mostly
+        # those are the chain's shallowest blocks, `blocks` from `cut` on: then two slices,
+        # no flag per block.
+        seen = earlier.nonzero()[0]  # known[j] is blocks[n - 1 - j]
+        n, k = len(blocks), seen.size
+        same = self._returned(blocks)
+        cut = n - k if not k or seen.item(-1) == k - 1 else -1  # -1: not a tail
+        if cut >= 0:
+            for i, _ in reversed(same):  # returns below the tail extend it, if next to it
+                if i < cut:
+                    cut = i if i == cut - 1 else -1
+                    if cut < 0:
+                        break
+        if cut < 0:
+            flags = (earlier[::-1] > 0).tolist()  # deepest first, as `blocks`
+            if partial:  # the deepest block may be partial (no key): never seen
+                flags.insert(0, False)
+            for i, _ in same:
+                flags[i] = True
+            self._queue_split(blocks, flags, priority)
+        elif cut < n:
+            self.queue.push_run(blocks[:cut], 2 * priority, 0)
+            self.queue.push_run(blocks[cut:] if cut else blocks, 2 * priority + 1, 0)
+            self.num_second += n - cut
+        else:
+            self.queue.push_run(blocks, 2 * priority, 0)
         queue = self.queue
         excess = self.num_second - self._cap
         while excess > 0:  # demote protected's LRU end, level by level

@@ -4,7 +4,8 @@ A policy queues a release as a few runs (one per class, or per queue and access 
 takes victims as runs from a FIFO's head while their stamp stays within bounds. A linked list
 (`FreeQueue`) writes four fields per queued block and reads two per victim; here a run is the
 released list itself, a block's only field is the run holding it, and a victim costs a slice
-and one write. A claim takes a block out of the middle of its run in O(1): the run counts its
+(and one write when its run is taken in part: a run taken whole keeps its blocks naming it,
+dead). A claim takes a block out of the middle of its run in O(1): the run counts its
 blocks still queued, and a run with holes is filtered when its turn comes (a block claimed
 and queued again sits in a newer run; the older one skips it). A run may carry its blocks'
 keys (a slice of the release's, which the policy read anyway): a victim's key is then a

@@ -156,15 +156,26 @@ class _TwoQueues:
         if flags.count(1, cut) == len(blocks) - cut:
             # Mostly the second queue's are a tail (a chain's blocks used before are its
             # shallowest, last here): two slices.
-            queue.push_run(blocks[:cut], 2 * priority, stamp, None if keys is None else keys[:cut])
-            run = blocks[cut:]
-        else:
-            first = list(map(not_, second))
-            queue.push_run(list(compress(blocks, first)), 2 * priority, stamp,
-                           None if keys is None else list(compress(keys, first)))
-            run = list(compress(blocks, second))
+            self._queue_tail(blocks, cut, priority, stamp, keys)
+            return
+        first = list(map(not_, second))
+        queue.push_run(list(compress(blocks, first)), 2 * priority, stamp,
+                       None if keys is None else list(compress(keys, first)))
+        run = list(compress(blocks, second))
         queue.push_run(run, 2 * priority + 1, stamp)
         self.num_second += len(run)
+
+    def _queue_tail(self, blocks: list[BlockId], cut: int, priority: int, stamp: int = 0,
+                    keys: list | None = None) -> None:
+        """`_queue_split` of `blocks` whose second-queue ones are `blocks[cut:]`: two slices
+        (the released list itself where one side is empty)."""
+        n = len(blocks)
+        if cut:
+            self.queue.push_run(blocks if cut == n else blocks[:cut], 2 * priority, stamp,
+                                keys if keys is None or cut == n else keys[:cut])
+        if cut < n:
+            self.queue.push_run(blocks[cut:] if cut else blocks, 2 * priority + 1, stamp)
+            self.num_second += n - cut
 
     def _check_sanity(self) -> bool:
         assert self.queue._check_sanity()
@@ -228,12 +239,8 @@ class SLRUPolicy(_TwoQueues):
             for i, _ in same:
                 flags[i] = True
             self._queue_split(blocks, flags, priority)
-        elif cut < n:
-            self.queue.push_run(blocks[:cut], 2 * priority, 0)
-            self.queue.push_run(blocks[cut:] if cut else blocks, 2 * priority + 1, 0)
-            self.num_second += n - cut
         else:
-            self.queue.push_run(blocks, 2 * priority, 0)
+            self._queue_tail(blocks, cut, priority)
         queue = self.queue
         excess = self.num_second - self._cap
         while excess > 0:  # demote protected's LRU end, level by level

@@ -4,6 +4,7 @@ CLI and the tuner call this."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import NoReturn
 
 from .config import Workload, resolve_path
 from .engine.clock import hardware_from_config
@@ -139,6 +140,23 @@ def load_workload_requests(wl: Workload) -> RequestList:
     return _load(wl)
 
 
+def count_workload_requests(wl: Workload) -> int:
+    """How many requests a run of `wl` replays. A trace is read once and nothing of it kept,
+    so a trace too large to hold in memory can still be split (`kvbench tune --holdout`)."""
+    r = wl.requests
+    if r.source != "trace" or r.skip:
+        return len(_load(wl))
+    reader = open_trace(trace_path(r, _base_dir(wl)), r.format, trace_options(r, wl.run.seed))
+    count = sum(1 for _ in reader)
+    if not count:
+        _empty(wl)
+    return count
+
+
+def _empty(wl: Workload) -> NoReturn:
+    raise InputError(f"{where(wl)}: requests: the request stream is empty")
+
+
 def _streamable(wl: Workload) -> bool:
     """A run of a trace on one pool without a data plane streams its requests
     (`traffic/spill.py`, `oracle.streamed_reference_hit_rates`; in serve mode the loop pulls
@@ -166,7 +184,7 @@ def _load(wl: Workload, stream: bool = False) -> RequestList | SpilledTrace:
     if requests is None:
         requests, reader = load_traffic(wl.requests, base_dir=base, seed=wl.run.seed)
     if not len(requests):
-        raise InputError(f"{where(wl)}: requests: the request stream is empty")
+        _empty(wl)
     if reader is not None and reader.without_ids == len(requests) and wl.run.mode == "cache":
         warn(f"{reader.path}: the trace has no prefix information ({reader.format}: arrivals "
              "and lengths only), so cache mode has nothing to reuse and its hit rates are 0 "

@@ -15,6 +15,7 @@ import pytest
 import kvbench.runner as runner
 from kvbench import tune as T
 from kvbench.config import load_workload
+from kvbench.errors import InputError
 from kvbench.modes.common import References
 from kvbench.traffic import Request, RequestList
 from kvbench.traffic.spill import SpilledTrace
@@ -186,8 +187,8 @@ def test_holdout_runs_share_the_held_out_stream(tmp_path, monkeypatch):
     assert T.run_worker(plan, storage=storage) == "done"
     best = optuna.load_study(study_name=plan.study_name, storage=storage).best_trial
     runs = T.holdout_runs(plan, best)
-    counted, tuned, held_out = watch.loaded  # the split counts the whole stream first
-    assert (len(counted), len(tuned), len(held_out)) == (48, 36, 12)
+    tuned, held_out = watch.loaded  # the split counted the stream without loading it
+    assert (len(tuned), len(held_out)) == (36, 12)
     assert [r[0] for r in watch.runs] == [tuned] * 2 + [held_out] * 2
     assert not tuned.ids_path.exists() and not held_out.ids_path.exists()
     for run in runs:
@@ -195,6 +196,27 @@ def test_holdout_runs_share_the_held_out_stream(tmp_path, monkeypatch):
                 *(f"{k}={v}" for k, v in run.params.items())]
         fresh = runner.run_workload(load_workload(path, sets))[0].metrics
         assert _without_wall(run.held_out) == _without_wall(fresh), run.label
+
+
+@pytest.mark.parametrize("requests", [TRACE, TRACE_IN_MEMORY, SYNTHETIC])
+@pytest.mark.parametrize("sets", [[], ["requests.limit=30"], ["requests.skip=40"],
+                                  ["requests.skip=10", "requests.limit=500"]])
+def test_counting_the_requests_loads_nothing_and_equals_the_loaded_stream(
+        tmp_path, monkeypatch, requests, sets):
+    path = _write(tmp_path, requests, {"cache.policy.slru.protected_ratio": [0.5]})
+    watch = _Watch(monkeypatch)
+    wl = load_workload(path, sets)
+    counted = runner.count_workload_requests(wl)
+    streamed = requests != SYNTHETIC and not any(s.startswith("requests.skip") for s in sets)
+    assert (watch.loaded == []) == streamed  # a trace is read, not loaded
+    assert counted == len(runner.load_workload_requests(wl))
+
+
+def test_counting_an_empty_trace_says_so(tmp_path):
+    wl = load_workload(_write(tmp_path, TRACE, {"cache.policy.slru.protected_ratio": [0.5]}))
+    (tmp_path / "t.jsonl").write_text("")
+    with pytest.raises(InputError, match="requests: the request stream is empty"):
+        runner.count_workload_requests(wl)
 
 
 def test_stream_store_bound_and_release():

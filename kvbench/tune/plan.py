@@ -252,8 +252,8 @@ def prepare(job: TuneJob) -> Plan:
 
 
 def holdout_split(job: TuneJob) -> HoldoutSplit:
-    """Where `--holdout` cuts the workload's request stream (counted by loading it once)."""
-    from ..runner import load_workload_requests
+    """Where `--holdout` cuts the workload's request stream (counted by reading it once)."""
+    from ..runner import count_workload_requests
 
     fraction = job.holdout
     if not 0 < fraction < 1:
@@ -262,7 +262,7 @@ def holdout_split(job: TuneJob) -> HoldoutSplit:
     if wl.requests.skip:
         raise InputError(f"{job.workload}: requests.skip: --holdout splits the stream itself; "
                          "remove requests.skip")
-    total = len(load_workload_requests(wl))
+    total = count_workload_requests(wl)
     tune_requests = int(total * (1 - fraction))
     if not 0 < tune_requests < total:
         raise InputError(f"--holdout {fraction}: {total} requests leave none to "

@@ -38,16 +38,18 @@ block first, so in either order a chain is evicted from its tip.
 Structure, per retention priority level, all lazy, with no Python work per block: every
 queued block has a tag (its push order, from 1, and its level in the low bits; 0 while not
 queued) in a numpy view of an int array. A push is kept as numpy arrays of its blocks and
-their tags, in a FIFO of pushes (the LRU order) and as runs (the blocks of one push with one
-rank, consecutive tags) in a binary heap keyed by `(rank, first tag)` (the LRU-2 order; the
-once-used blocks are the runs of rank 0). Runs of one rank hold disjoint tag ranges, so that
-key orders whole runs: the victims are the front run's blocks in order, checked a run at a
-time against the tags (a claimed, requeued or evicted block's tag changed: its old entries are
-skipped when they surface), and a heap operation is paid per run, not per block (the running
-minimum gives a release's chain few distinct ranks). A structure holding more than twice its
-level's live blocks drops its stale entries (amortised O(1) per push). The FIFO, at four times,
-is dropped instead and no longer kept, and is rebuilt from the tags (the push order) when LRU
-next pops that level: while LRU-2 leads, which never pops it, it costs nothing.
+their tags and as the list of its blocks (victims are slices of it: the ints the pool passed,
+none made per victim), in a FIFO of pushes (the LRU order) and as runs (the blocks of one push
+with one rank, consecutive tags) in a binary heap keyed by `(rank, first tag)` (the LRU-2
+order; the once-used blocks are the runs of rank 0). Runs of one rank hold disjoint tag
+ranges, so that key orders whole runs: the victims are the front run's blocks in order,
+checked a run at a time against the tags (a claimed, requeued or evicted block's tag changed:
+its old entries are skipped when they surface), and a heap operation is paid per run, not per
+block (the running minimum gives a release's chain few distinct ranks). A structure holding
+more than twice its level's live blocks drops its stale entries (amortised O(1) per push).
+The FIFO, at four times, is dropped instead and no longer kept, and is rebuilt from the tags
+(the push order) when LRU next pops that level: while LRU-2 leads, which never pops it, it
+costs nothing.
 
 The shadows are kept the same way: the LRU shadow a dict in use order, the LRU-2 shadow a dict
 of each key's insertion order and a heap of a release's runs of one rank.
@@ -129,15 +131,15 @@ class LRU2Policy:
         """Blocks pushed so far (the last push order)."""
         self._live = [0] * NUM_PRIORITY_LEVELS
         self._fifo = [deque() for _ in range(NUM_PRIORITY_LEVELS)]
-        """Per level: `(0, tags, blocks)` arrays of each push, in push order (the zero stands for
-        a run's key, so both structures are taken from alike)."""
+        """Per level: `(0, tags, blocks, block list)` of each push, in push order (the zero stands
+        for a run's key, so both structures are taken from alike)."""
         self._in_fifo = [0] * NUM_PRIORITY_LEVELS
         """Per level: entries in the FIFO, stale ones included."""
         self._fifo_off = 0
         """Levels (bits) whose FIFO is not kept (empty): rebuilt from the tags when popped."""
-        self._runs: list[list[tuple[int, np.ndarray, np.ndarray]]] = [
+        self._runs: list[list[tuple[int, np.ndarray, np.ndarray, list[BlockId]]]] = [
             [] for _ in range(NUM_PRIORITY_LEVELS)]
-        """Per level: heap of `((rank << 64) | first tag, tags, blocks)` runs."""
+        """Per level: heap of `((rank << 64) | first tag, tags, blocks, block list)` runs."""
         self._in_runs = [0] * NUM_PRIORITY_LEVELS
         self._nonempty = 0
         self._size = 0
@@ -174,25 +176,24 @@ class LRU2Policy:
         # Shallowest first, as the sequence touched them (one tick each); keys in a chain are
         # distinct, so every earlier use is read before this release writes its own. The rank
         # is the earlier use's tick (0: none), capped at the parent's: a running minimum.
-        known, _ = chain_keys(self.index, blocks)  # the deepest block may be partial
+        known, partial = chain_keys(self.index, blocks)  # the deepest block may be partial
         slots, earlier = hist.find(known)
-        if known.size == n:
-            ticks = np.right_shift(earlier, TICK_SHIFT)  # 0: none
-        else:  # a partial deepest block has no key: 0 for it too
-            ticks = np.zeros(n, np.int64)
-            np.right_shift(earlier, TICK_SHIFT, out=ticks[:known.size])
-        capped = np.minimum.accumulate(ticks)
+        # The running minimum is written backwards, so the ranks come deepest first as the
+        # blocks, contiguous (numpy scatters a reversed view at several times the cost); a
+        # partial deepest block has no key and rank 0.
+        ranks = np.zeros(n, np.int64)
+        np.minimum.accumulate(np.right_shift(earlier, TICK_SHIFT),  # 0: none
+                              out=ranks[:0:-1] if partial else ranks[::-1])
         hist.clock = clock + n
         hist.store(known, slots, tick_entries(clock, known.size), earlier)
         if self._shadow_cap:  # the sampled keys (a partial block has none) and their ranks
-            picked = self._sampled[known % _SAMPLE_PRIME].nonzero()[0]
-            if picked.size:
-                keys, ranks = known[picked].tolist(), capped[picked].tolist()
-                keys.reverse()  # deepest first, as the pool's pushes
-                ranks.reverse()
-                self._shadow(keys, ranks)
+            deep = known[::-1]  # deepest first, as the pool's pushes
+            picked = self._sampled[deep % _SAMPLE_PRIME]  # a mask: no index array to make
+            keys = deep[picked].tolist()
+            if keys:
+                self._shadow(keys, ranks[partial:][picked].tolist())
             self._choose()
-        self._push_ranked(blocks, capped[::-1], priority)
+        self._push_ranked(blocks, ranks, priority)
 
     def push_back(self, block: BlockId, priority: int) -> None:
         """A claim undone (the block was not used): back with the rank it had."""
@@ -224,15 +225,12 @@ class LRU2Policy:
             take = min(n - len(out), live[lv])
             if self.use_lru2:
                 runs = self._runs[lv]
-                got, gone = self._take(runs, partial(heappop, runs), take)
-                self._in_runs[lv] -= gone
+                self._in_runs[lv] -= self._take(runs, partial(heappop, runs), take, out)
             else:
                 if self._fifo_off >> lv & 1:
                     self._rebuild_fifo(lv)
                 fifo = self._fifo[lv]
-                got, gone = self._take(fifo, fifo.popleft, take)
-                self._in_fifo[lv] -= gone
-            out += got
+                self._in_fifo[lv] -= self._take(fifo, fifo.popleft, take, out)
             live[lv] -= take
             self._size -= take
             if not live[lv]:
@@ -263,24 +261,27 @@ class LRU2Policy:
                              1 << _LEVEL_BITS, np.int64)
         self._tags[run] = run_tags
         self._ranks[run] = ranks
-        if not self._fifo_off >> priority & 1:
-            self._fifo[priority].append((0, run_tags, run))
-            self._in_fifo[priority] += n
         heap = self._runs[priority]
         first_tag = ((o + 1) << _LEVEL_BITS) | priority
-        first = ranks.item(0)
-        if first == ranks.item(-1):
-            heappush(heap, ((first << _KEY_SHIFT) | first_tag, run_tags, run))
-        else:  # one run per rank (ranks do not decrease), cut where the rank changes (a
-            # release has a few: converting the ranks to a list to find them costs more)
-            ends = (ranks[:-1] != ranks[1:]).nonzero()[0].tolist()
-            ends.append(n - 1)
-            i = 0
-            for j in ends:
-                j += 1
-                heappush(heap, ((ranks.item(i) << _KEY_SHIFT) | (first_tag + (i << _LEVEL_BITS)),
-                                run_tags[i:j], run[i:j]))
-                i = j
+        first, last = ranks.item(0), ranks.item(-1)
+        if first == last:
+            ids = blocks[:]  # the caller may reuse its list
+            heappush(heap, ((first << _KEY_SHIFT) | first_tag, run_tags, run, ids))
+        else:  # one run per rank (ranks do not decrease), each ending where the next rank
+            # starts (a release has two or three: a binary search each costs less than one
+            # pass comparing neighbours)
+            ids = None
+            i, r = 0, first
+            while True:
+                j = n if r == last else int(ranks.searchsorted(r, "right"))
+                heappush(heap, ((r << _KEY_SHIFT) | (first_tag + (i << _LEVEL_BITS)),
+                                run_tags[i:j], run[i:j], blocks[i:j]))
+                if j == n:
+                    break
+                i, r = j, ranks.item(j)
+        if not self._fifo_off >> priority & 1:
+            self._fifo[priority].append((0, run_tags, run, blocks[:] if ids is None else ids))
+            self._in_fifo[priority] += n
         self._in_runs[priority] += n
         self._size += n
         live = self._live[priority] = self._live[priority] + n
@@ -290,47 +291,62 @@ class LRU2Policy:
         if self._in_runs[priority] > 2 * live + 64:
             self._compact_runs(priority)
 
-    def _take(self, queue, pop, want: int) -> tuple[list[BlockId], int]:
-        """The first `want` live blocks of `queue` (entries `(key, tags, blocks)`, the front at
-        `[0]`, taken off by `pop`; it holds at least `want` live blocks), off the queue, and
-        how many entries that consumed."""
+    def _take(self, queue, pop, want: int, out: list[BlockId]) -> int:
+        """Append the first `want` live blocks of `queue` (entries `(key, tags, blocks, block
+        list)`, the front at `[0]`, taken off by `pop`; it holds at least `want` live blocks)
+        to `out`, off the queue; returns how many entries that consumed. Live blocks come from
+        the entries' lists (no int made per block), a stale one's entry's from its array."""
         tags = self._tags
-        out: list[BlockId] = []
         gone = 0
         while want:
-            key, run_tags, run = queue[0]
-            if run.size <= want:  # whole entries while they fit (so do their live blocks)
-                size = run.size
+            key, run_tags, run, ids = queue[0]
+            size = run.size
+            if size <= want:  # whole entries while they fit (so do their live blocks)
                 pop()
+                lists = None
                 if queue and size + queue[0][2].size <= want:
                     parts = [(run_tags, run)]
+                    lists = [ids]
                     while queue and size + queue[0][2].size <= want:
-                        _, run_tags, run = pop()
+                        _, run_tags, run, ids = pop()
                         parts.append((run_tags, run))
+                        lists.append(ids)
                         size += run.size
                     run_tags = np.concatenate([t for t, _ in parts])
                     run = np.concatenate([b for _, b in parts])
-                kept = run[tags[run] == run_tags]
+                ok = tags[run] == run_tags
                 gone += size
+                if np.count_nonzero(ok) == size:
+                    kept = run
+                    if lists is None:
+                        out += ids
+                    else:
+                        for ids in lists:
+                            out += ids
+                else:
+                    kept = run[ok]
+                    out += kept.tolist()
             else:  # the front entry in part
                 ok = tags[run] == run_tags
-                if np.count_nonzero(ok) == run.size:  # no stale block: views, not copies
-                    queue[0] = (key, run_tags[want:], run[want:])
+                if np.count_nonzero(ok) == size:  # no stale block: views, not copies
+                    queue[0] = (key, run_tags[want:], run[want:], ids[want:])
                     gone += want
                     kept = run[:want]
+                    out += ids[:want]
                 else:
                     kept = run[ok]
                     if kept.size > want:
-                        queue[0] = (key, run_tags[ok][want:], kept[want:])
-                        gone += want + run.size - kept.size
+                        rest = kept[want:]
+                        queue[0] = (key, run_tags[ok][want:], rest, rest.tolist())
+                        gone += want + size - kept.size
                         kept = kept[:want]
                     else:
                         pop()
-                        gone += run.size
+                        gone += size
+                    out += kept.tolist()
             tags[kept] = _ZERO
-            out += kept.tolist()
             want -= kept.size
-        return out, gone
+        return gone
 
     def _drop_fifo(self, lv: int) -> None:
         """Stop keeping level `lv`'s FIFO (its stale entries outgrew its live ones)."""
@@ -348,7 +364,8 @@ class LRU2Policy:
             mine = (run_tags & _LEVEL_MASK) == lv
             run, run_tags = run[mine], run_tags[mine]
         order = run_tags.argsort()
-        self._fifo[lv].append((0, run_tags[order], run[order]))
+        run = run[order]
+        self._fifo[lv].append((0, run_tags[order], run, run.tolist()))
         self._in_fifo[lv] = self._live[lv]
         self._fifo_off &= ~(1 << lv)
 
@@ -357,10 +374,11 @@ class LRU2Policy:
         keep their order among the other runs."""
         tags = self._tags
         runs = []
-        for key, run_tags, run in self._runs[lv]:
+        for key, run_tags, run, _ in self._runs[lv]:
             ok = tags[run] == run_tags
             if np.count_nonzero(ok):
-                runs.append((key, run_tags[ok], run[ok]))
+                run = run[ok]
+                runs.append((key, run_tags[ok], run, run.tolist()))
         heapify(runs)
         self._runs[lv] = runs
         self._in_runs[lv] = self._live[lv]
@@ -455,16 +473,19 @@ class LRU2Policy:
             live = sorted(b for b in queued if tag[b] & _LEVEL_MASK == lv)
             assert len(live) == self._live[lv] and bool(live) == bool(self._nonempty >> lv & 1)
             # Each order holds every live block once, under its current tag.
-            fifo = [(t, b) for _, ts, bs in self._fifo[lv]
-                    for t, b in zip(ts.tolist(), bs.tolist())]
+            fifo = []
+            for _, ts, bs, ids in self._fifo[lv]:
+                assert ids == bs.tolist()
+                fifo += zip(ts.tolist(), ids)
             assert len(fifo) == self._in_fifo[lv] and fifo == sorted(fifo, key=lambda e: e[0])
             if self._fifo_off >> lv & 1:
                 assert not fifo and live
             else:
                 assert sorted(b for t, b in fifo if tag[b] == t) == live
             in_runs, entries = [], 0
-            for key, ts, bs in self._runs[lv]:
+            for key, ts, bs, ids in self._runs[lv]:
                 ts, bs = ts.tolist(), bs.tolist()
+                assert ids == bs
                 assert ts and key & low <= ts[0] and ts == sorted(ts)
                 entries += len(ts)
                 current = [b for t, b in zip(ts, bs) if tag[b] == t]

@@ -492,3 +492,16 @@ def test_cli_runs_on_a_typer_without_the_help_hook():
                           cwd=Path(__file__).parent.parent, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_python_dash_m_kvbench_is_the_command(tmp_path):
+    """`python -m kvbench` runs the CLI, exit codes included (bad input: one line, exit 2)."""
+    path = tmp_path / "w.yaml"
+    text = TINY.replace("tokens_per_block: 16", "tokens_per_block: -3")
+    path.write_text(text)
+    line = text.splitlines()[1]
+    proc = subprocess.run([sys.executable, "-m", "kvbench", "validate", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"kvbench: error: {path}:2:{line.index('-3') + 1}: cache.tokens_per_block: expected a value > 0 (got -3)"]

@@ -141,10 +141,10 @@ def load_workload_requests(wl: Workload) -> RequestList:
 
 
 def count_workload_requests(wl: Workload) -> int:
-    """How many requests a run of `wl` replays. A trace is read once and nothing of it kept,
-    so a trace too large to hold in memory can still be split (`kvbench tune --holdout`)."""
+    """How many requests a run of `wl` replays. A trace is read once and none of its requests
+    kept, so counting one (`kvbench tune --holdout`) costs no more memory than streaming it."""
     r = wl.requests
-    if r.source != "trace" or r.skip:
+    if r.source != "trace" or r.skip:  # generated, or cut by `load_traffic`: counted loaded
         return len(_load(wl))
     reader = open_trace(trace_path(r, _base_dir(wl)), r.format, trace_options(r, wl.run.seed))
     count = sum(1 for _ in reader)

@@ -133,6 +133,25 @@ def test_a_later_full_claim_forces_the_earlier_partial_take_to_copy():
     assert before - mgr.gpu.num_free == 2
 
 
+def test_partial_matches_of_one_free_block_cost_one_block_each():
+    """Three requests of a batch partially match one free childless block: phase 2 settles
+    them in order, the first two copy (a later claim remains) and the last takes the block
+    in place, so each costs one block, as each estimate says."""
+    mgr = KVCacheManager(CacheSpec(4, 8))
+    replay(mgr, req([1, 2, 3]))  # one partial block, no children
+    (stored,) = [b for b, r in enumerate(mgr.index.stored) if r is not None]
+    batch = [req([1, 2, 7]), req([1, 2, 8, 9]), req([1, 2, 5])]
+    plan = AddPlan()
+    assert [mgr.estimate_add(r, plan) for r in batch] == [(2, 1, 1)] * 3
+    before = mgr.gpu.num_free
+    seqs = mgr.add_sequences(batch)
+    assert [s.reused_tokens for s in seqs] == [2, 2, 2]
+    assert [s.partial_copied for s in seqs] == [True, True, False]
+    assert seqs[2].blocks == [stored]
+    assert before - mgr.gpu.num_free == 3
+    assert mgr._check_sanity()
+
+
 def _history_and_batch(data, tpb, host, partial, copy):
     mgr = Metered(CacheSpec(tpb, data.draw(st.integers(6, 14)), num_host_blocks=host,
                             enable_partial_reuse=partial, copy_on_partial_reuse=copy))

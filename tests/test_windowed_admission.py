@@ -180,7 +180,10 @@ def test_windowed_serve_admission_properties(seed, windows, tpb, mnt, extra, scr
         tokens = base[:rng.randint(0, 40)] + [rng.randrange(7) for _ in range(rng.randint(1, 30))]
         requests.append(_req(i, t, tokens, rng.randint(1, 12),
                              rng.choice([1, 2, 3]) if beams else 1))
-    m = Audited(cycles, [CacheSpec(tpb, _floor(c.window, tpb, requests, mnt)
+    # The sequential add matches, claims and allocates one request at a time, so a request's
+    # allocation may evict a cached block a later request of the step was counted on (what
+    # the batched add fixes): its draw can exceed the count. Only the batched add is audited.
+    m = (Audited if batch else WindowedCacheManager)(cycles, [CacheSpec(tpb, _floor(c.window, tpb, requests, mnt)
                                    + rng.randint(0, extra),
                                    num_host_blocks=host,
                                    enable_partial_reuse=rng.random() < 0.7,
@@ -188,18 +191,19 @@ def test_windowed_serve_admission_properties(seed, windows, tpb, mnt, extra, scr
                 release_out_of_window=rng.choice(["keep_cached", "drop"]),
                 swa_scratch_reuse=scratch)
     m.enable_sanity_tracking()
-    m.enable_audit()
+    if batch:
+        m.enable_audit()
     # Decoders always fit the budget: a request decodes one token per beam.
     cfg = SchedulerConfig(max_num_tokens=mnt, max_batch_size=mnt // 3 if beams else 4)
     # Every request fits alone (the floors), so the loop must never stall; each step's
-    # draw stays within what the scheduler counted per pool (`Audited`), and every pool's
-    # invariants hold after it.
+    # batched draw stays within what the scheduler counted per pool (`Audited`), and every
+    # pool's invariants hold after it.
     result = ServeLoop(requests, m, Scheduler(cfg, tpb), CLOCK, batch_add=batch,
                        on_step=lambda rec: m._check_sanity()).run()
     assert all(r.finish_s >= 0 for r in result.requests)
     assert all(p.gpu.num_in_use == 0 for p in m.managers) and m.scratch_slots == 0
-    assert m.steps_checked > 0
     if batch:
+        assert m.steps_checked > 0
         assert result.mnt_overflow_steps == 0 and result.reuse_shortfall_tokens == 0
         assert result.ctx_alloc_failures == 0
         assert m.phase2_alloc_failures == 0 and m.reuse_fallbacks == 0

@@ -127,12 +127,10 @@ class AddPath:
         if b >= g:
             plan[b] = state or _CLAIMED
         elif state is None and not ref[b] and not self.index.has_children(b):
+            # Taken in place. A later request of the batch matching it partially costs one
+            # block too (the state stays): phase 2 settles in order, and while a later claim
+            # remains an earlier request copies and lets go, so the last to settle takes it.
             plan[b] = _TAKEN
-        elif state == _TAKEN:
-            # The earlier request must copy too; the block may come back after both copies,
-            # which this conservatively ignores.
-            draw += 1
-            plan[b] = _CLAIMED
         elif (state is None and not ref[b]) or state == _COPY_SOURCE:
             plan[b] = _COPY_SOURCE
             plan.transient = 1

@@ -15,7 +15,7 @@ from .modes.common import ProgressFactory, References, Store
 from .modes.serve import run_serve
 from .plan import check_memory, check_supported, gib, is_windowed, plan_run, where
 from .results import RunOutcome
-from .traffic import RequestList, load_traffic, open_trace, trace_options, trace_path
+from .traffic import RequestList, load_traffic, trace_path, workload_trace
 from .traffic.decoding import apply_decoding
 from .traffic.spill import NotSpillable, SpilledTrace
 from .traffic.tracefile import warn
@@ -146,8 +146,7 @@ def count_workload_requests(wl: Workload) -> int:
     r = wl.requests
     if r.source != "trace" or r.skip:  # generated, or cut by `load_traffic`: counted loaded
         return len(_load(wl))
-    reader = open_trace(trace_path(r, _base_dir(wl)), r.format, trace_options(r, wl.run.seed))
-    count = sum(1 for _ in reader)
+    count = sum(1 for _ in workload_trace(r, base_dir=_base_dir(wl), seed=wl.run.seed))
     if not count:
         _empty(wl)
     return count
@@ -175,8 +174,7 @@ def _load(wl: Workload, stream: bool = False) -> RequestList | SpilledTrace:
     base = _base_dir(wl)
     requests = reader = None
     if stream:
-        reader = open_trace(trace_path(wl.requests, base), wl.requests.format,
-                            trace_options(wl.requests, wl.run.seed))
+        reader = workload_trace(wl.requests, base_dir=base, seed=wl.run.seed)
         try:
             requests = SpilledTrace(iter(reader), beam_width=wl.requests.beam_width)
         except NotSpillable:

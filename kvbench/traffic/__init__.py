@@ -17,7 +17,7 @@ from kvbench.traffic.tracefile import SessionStart, TraceOptions, TraceReader
 
 __all__ = ["FORMATS", "Request", "RequestList", "TraceOptions", "TraceReader", "TraceWarning", "generate",
            "describe_source", "load_requests", "open_trace", "read_mooncake", "sniff", "trace_options",
-           "trace_stats"]
+           "trace_stats", "workload_trace"]
 
 DEFAULT_STATS_BLOCK_SIZES = (16, 32, 64, 128, 256, 512)
 
@@ -62,10 +62,15 @@ def _load_all(requests_cfg, *, base_dir: Path, seed: int
             r.arrival_s *= time_scale
         return requests, None
     if requests_cfg.source == "trace":
-        reader = open_trace(trace_path(requests_cfg, base_dir), requests_cfg.format,
-                            trace_options(requests_cfg, seed))
+        reader = workload_trace(requests_cfg, base_dir=base_dir, seed=seed)
         return RequestList(reader), reader
     raise InputError(f"requests.source: unknown source {requests_cfg.source!r}")
+
+
+def workload_trace(requests_cfg, *, base_dir: Path, seed: int) -> TraceReader:
+    """The reader of a `requests` section's trace, with the section's options."""
+    return open_trace(trace_path(requests_cfg, base_dir), requests_cfg.format,
+                      trace_options(requests_cfg, seed))
 
 
 def trace_path(requests_cfg, base_dir: Path) -> Path:

@@ -302,27 +302,19 @@ class LRU2Policy:
             key, run_tags, run, ids = queue[0]
             size = run.size
             if size <= want:  # whole entries while they fit (so do their live blocks)
-                pop()
-                lists = None
-                if queue and size + queue[0][2].size <= want:
-                    parts = [(run_tags, run)]
-                    lists = [ids]
-                    while queue and size + queue[0][2].size <= want:
-                        _, run_tags, run, ids = pop()
-                        parts.append((run_tags, run))
-                        lists.append(ids)
-                        size += run.size
-                    run_tags = np.concatenate([t for t, _ in parts])
-                    run = np.concatenate([b for _, b in parts])
+                parts = [pop()]
+                while queue and size + queue[0][2].size <= want:
+                    parts.append(pop())
+                    size += parts[-1][2].size
+                if len(parts) > 1:
+                    run_tags = np.concatenate([p[1] for p in parts])
+                    run = np.concatenate([p[2] for p in parts])
                 ok = tags[run] == run_tags
                 gone += size
                 if np.count_nonzero(ok) == size:
                     kept = run
-                    if lists is None:
-                        out += ids
-                    else:
-                        for ids in lists:
-                            out += ids
+                    for p in parts:
+                        out += p[3]
                 else:
                     kept = run[ok]
                     out += kept.tolist()

@@ -6,9 +6,15 @@
   against the earlier blocks at that place (same parent, same first token), as the cache does.
 - `optimal_hit_rate`: the best any eviction policy could do at the run's capacity: Belady's
   farthest-next-use eviction over full blocks, ties to the deeper block. A block's next use is
-  the next request that could reuse it (inside that request's reusable prefix). A child is never
-  used before its parent, so the kept set stays prefix-closed and every kept block of a prompt's
-  path is a hit: counting hits is classic paging, where farthest-next-use is optimal. With
+  the next request that could reuse it (inside that request's reusable prefix), unless a
+  request computes its key before that in any case (past its own reusable prefix: the block
+  holding its last token): that one stores the block again, so keeping it until then is worth
+  nothing and it goes first (its cached descendants, orphaned meanwhile, are reachable again
+  once it is stored, as in the cache). A child is never used before its parent, so at each
+  request the kept set holds the whole prefix of every kept block the request could reuse, and
+  every kept block of a prompt's path is a hit: counting hits is paging in which some
+  references cannot hit, where evicting a block whose next reference is one of those, then the
+  farthest next use, is optimal (an exchange argument, as for Belady's). With
   partial reuse the oracle adds the ideal's partial tokens for a request whenever it holds the
   whole full-block prefix the ideal matched; it gets those without spending capacity on
   partial blocks, but it is not a proven optimum there (`hit_rate <= optimal_hit_rate` is
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import tempfile
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -29,7 +36,10 @@ import numpy as np
 
 from .traffic.request import _END_BITS, Request
 
-_INF = 1 << 62
+NO_USE = -1
+"""Next occurrence of a block's key: none (`_Occurrences.next_use_per_request`)."""
+RECOMPUTED = -2
+"""Next occurrence of a block's key: in a request that computes the block in any case."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,36 +120,23 @@ class _Occurrences:
         lead = ok & (bad_before == seg_base[self.req])
         return np.bincount(self.req[lead], minlength=self.num_requests)
 
-    def next_use_per_request(self) -> list[tuple[list[int], list[int]]]:
-        """Per request: the positions of its blocks that a later request could reuse and, for
-        each, the next such request (blocks never reused again are left out)."""
-        if not self.total:
-            return [([], []) for _ in range(self.num_requests)]
-        o = self.order
+    def next_use_per_request(self) -> list[list[int]]:
+        """Per request, per full block: where its key occurs next. The request there when it
+        could reuse the block (inside its hittable prefix), `RECOMPUTED` when that request
+        computes the block in any case (past it), `NO_USE` when no later request holds it."""
         n = self.total
-        idx = np.arange(n, dtype=np.int64)
-        hit_idx = np.where(self.hittable[o], idx, n)
-        # The nearest hittable occurrence after each one (a suffix minimum of indices) is the
-        # next use when it lies inside the same group of equal keys.
-        later = np.full(n + 1, n, dtype=np.int64)
-        later[:n] = np.minimum.accumulate(hit_idx[::-1])[::-1]
-        nearest = later[1:]
-        group_end = np.empty(n, dtype=np.int64)
-        starts = np.flatnonzero(self.group_start)
-        ends = np.append(starts[1:], n)
-        group_end[:] = np.repeat(ends, ends - starts)
-        sorted_req = self.req[o]
-        in_group = nearest < group_end
-        nxt_sorted = np.where(in_group, sorted_req[np.minimum(nearest, max(n - 1, 0))], _INF)
+        if not n:
+            return [[] for _ in range(self.num_requests)]
+        o = self.order
+        # Equal keys are grouped in request order: the next occurrence is the next entry.
+        nxt_sorted = np.full(n, NO_USE, dtype=np.int64)
+        nxt_sorted[:-1] = np.where(
+            self.group_start[1:], NO_USE,
+            np.where(self.hittable[o][1:], self.req[o][1:], RECOMPUTED))
         nxt = np.empty(n, dtype=np.int64)
         nxt[o] = nxt_sorted
-        finite = nxt < _INF
-        pos = self.pos[finite].tolist()
-        use = nxt[finite].tolist()
-        cut = np.concatenate(([0], np.cumsum(np.bincount(
-            self.req[finite], minlength=self.num_requests)))).tolist()
-        return [(pos[cut[i]:cut[i + 1]], use[cut[i]:cut[i + 1]])
-                for i in range(self.num_requests)]
+        flat, starts = nxt.tolist(), self.starts.tolist()
+        return [flat[starts[i]:starts[i + 1]] for i in range(self.num_requests)]
 
 
 def _ideal_partial(
@@ -214,52 +211,13 @@ def _belady(
     next_use: list[list[int]], ideal_full: np.ndarray, partial: list[int], tpb: int,
     capacity: int,
 ) -> int:
-    """Replay with farthest-next-use eviction; returns reused tokens.
-
-    Blocks never reused again go first. Their identity does not matter (no later request hits
-    them, and they have no reusable descendants: a descendant's reuse would reuse them too), so
-    they are only counted. The others sit in a heap by (next use, depth); entries are lazy, one
-    is current only while its block is resident with that next use. A request's own hits have
-    next use == this request, the nearest possible, so they are never chosen while the request
-    fits in the cache. As in the cache, the request allocates every block it does not reuse."""
-    resident: dict[int, int] = {}  # key -> next use, for blocks that will be reused
-    never = 0
-    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, key)
-    heappush, heappop = heapq.heappush, heapq.heappop
-    reused = 0
-    for i, (r, keys, cap, (fin_pos, fin_use), m, p) in enumerate(
+    """Replay with farthest-next-use eviction (`_Belady`); returns reused tokens."""
+    belady = _Belady(capacity, tpb)
+    for i, (r, keys, cap, uses, m, p) in enumerate(
         zip(requests, keys_of, caps, next_use, ideal_full.tolist(), partial)
     ):
-        h = 0
-        while h < cap and keys[h] in resident:
-            h += 1
-        reused += h * tpb + (p if h == m else 0)
-        excess = len(resident) + never + (-(-r.input_length // tpb) - h) - capacity
-        while excess > 0:
-            if never:
-                take = min(never, excess)
-                never -= take
-                excess -= take
-                continue
-            nu, _, k = heappop(heap)
-            if resident.get(k) != -nu:
-                continue
-            assert -nu != i, "a request larger than the cache reached the oracle"
-            del resident[k]
-            excess -= 1
-        # Hits that no later request reuses leave the index (they are counted in `never`).
-        f = 0
-        for j in range(h):
-            if f < len(fin_pos) and fin_pos[f] == j:
-                f += 1
-            else:
-                del resident[keys[j]]
-        never += len(keys) - len(fin_pos)
-        for j, u in zip(fin_pos, fin_use):
-            k = keys[j]
-            resident[k] = u
-            heappush(heap, (-u, -j, k))
-    return reused
+        belady.request(i, keys, cap, -(-r.input_length // tpb), uses, m, p)
+    return belady.reused
 
 
 def streamed_reference_hit_rates(
@@ -299,9 +257,9 @@ def _run_keys(ids: np.ndarray, length: int, tpb: int, block: int) -> tuple[np.nd
 
 
 def _backward_next_uses(trace, tpb: int, path: Path) -> None:
-    """For every full block of every prompt, in order: the next request that could reuse it
-    (inside its hittable prefix), or -1; int32 in `path`. Last request first, with the nearest
-    later hittable use of every (id, block inside it) in one int32 table."""
+    """For every full block of every prompt, in order, where its key occurs next
+    (`_Occurrences.next_use_per_request`); int32 in `path`. Last request first, with the next
+    occurrence of every (id, block inside it) in one int32 table."""
     block = trace.block_tokens
     per_id = -(-block // tpb)
     table = np.full((trace.max_id + 1) * per_id, -1, dtype=np.int32)
@@ -320,7 +278,9 @@ def _backward_next_uses(trace, tpb: int, path: Path) -> None:
             slot = tid * per_id + ((ends - 1) % block) // tpb
             pending.append(table[slot])
             pending_n += len(slot)
-            table[slot[:(length - 1) // tpb]] = i
+            cap = (length - 1) // tpb
+            table[slot[:cap]] = i
+            table[slot[cap:]] = RECOMPUTED
             if pending_n >= _NEXT_USE_CHUNK or i == 0:
                 f.seek(int(starts[i]) * 4)
                 np.concatenate(pending[::-1]).tofile(f)
@@ -332,12 +292,12 @@ _NEXT_USE_CHUNK = 1 << 20
 
 def _forward_references(trace, tpb: int, capacity: int | None, partial_reuse: bool,
                         next_path: Path) -> tuple[int, int | None]:
-    """Ideal and optimal reused tokens in one pass in request order (see `_belady`)."""
+    """Ideal and optimal reused tokens in one pass in request order (see `_Belady`)."""
     block = trace.block_tokens
     longest = np.zeros(trace.max_id + 1, dtype=np.int32)
     lengths = trace.input_lengths
     ideal = 0
-    belady = _StreamingBelady(capacity, tpb) if capacity is not None else None
+    belady = _Belady(capacity, tpb) if capacity is not None else None
     uses = _Int32Reader(next_path) if capacity is not None else None
     for i, ids in enumerate(trace.ids_forward()):
         length = lengths[i]
@@ -384,24 +344,38 @@ class _Int32Reader:
         self.f.close()
 
 
-class _StreamingBelady:
-    """`_belady` one request at a time, its heap rebuilt from the resident blocks whenever stale
-    entries outnumber them, so memory stays proportional to the capacity. Popping order is
-    the same: entries are totally ordered by (next use, depth, key)."""
+class _Belady:
+    """Farthest-next-use eviction, one request at a time (see the module docstring).
 
-    __slots__ = ("capacity", "tpb", "resident", "never", "heap", "reused")
+    A block whose key no later request holds (`NO_USE`) goes first. Its identity does not
+    matter (no later request hits it, and it has no reusable descendants: a descendant's reuse
+    would reuse it too), so such blocks are only counted. Next go the blocks a request will
+    compute again before any reuse (`RECOMPUTED`), by key in a FIFO, so that the request that
+    computes one stores it once. The others sit in a heap by (next use, depth); entries are
+    lazy, one is current only while its block is resident with that next use. A request's own
+    hits have next use == this request, the nearest possible, so they are never chosen while
+    the request fits in the cache. As in the cache, the request allocates every block it does
+    not reuse. The heap is rebuilt from the resident blocks whenever stale entries outnumber
+    them, so memory stays proportional to the capacity."""
+
+    __slots__ = ("capacity", "tpb", "resident", "never", "recomputed", "heap", "reused")
 
     def __init__(self, capacity: int, tpb: int) -> None:
         self.capacity = capacity
         self.tpb = tpb
-        self.resident: dict[int, tuple[int, int]] = {}  # key -> (next use, depth)
+        self.resident: dict[int, tuple[int, int]] = {}
+        """key -> (next use or RECOMPUTED, depth) of the blocks a later request holds."""
         self.never = 0
+        """Blocks no later request holds."""
+        self.recomputed: deque[int] = deque()
+        """Keys set to RECOMPUTED, in that order (an entry is current while it still is)."""
         self.heap: list[tuple[int, int, int]] = []
+        """(-next use, -depth, key)."""
         self.reused = 0
 
     def request(self, i: int, keys: list[int], cap: int, num_blocks: int, uses: list[int],
                 ideal_full: int, partial: int) -> None:
-        resident, heap = self.resident, self.heap
+        resident, heap, recomputed = self.resident, self.heap, self.recomputed
         h = 0
         while h < cap and keys[h] in resident:
             h += 1
@@ -413,6 +387,12 @@ class _StreamingBelady:
                 self.never -= take
                 excess -= take
                 continue
+            if recomputed:
+                k = recomputed.popleft()
+                if resident.get(k, (0,))[0] == RECOMPUTED:
+                    del resident[k]
+                    excess -= 1
+                continue
             nu, nd, k = heapq.heappop(heap)
             entry = resident.get(k)
             if entry is None or entry[0] != -nu:
@@ -421,14 +401,24 @@ class _StreamingBelady:
             del resident[k]
             excess -= 1
         for j in range(h):
-            if uses[j] < 0:
+            if uses[j] == NO_USE:
                 del resident[keys[j]]
+        # Past the hittable prefix a kept block of this key is one RECOMPUTED: this request
+        # stores it again. (Inside it, a block the request misses is not kept: a kept block's
+        # ancestors with the same next use are kept as long as it is.)
+        for k in keys[cap:]:
+            resident.pop(k, None)
         for j, (k, u) in enumerate(zip(keys, uses)):
-            if u < 0:
+            if u == NO_USE:
                 self.never += 1
+            elif u == RECOMPUTED:
+                resident[k] = (u, j)
+                recomputed.append(k)
             else:
                 resident[k] = (u, j)
                 heapq.heappush(heap, (-u, -j, k))
         if len(heap) > 2 * len(resident) + 1024:
-            self.heap = [(-u, -j, k) for k, (u, j) in resident.items()]
+            self.heap = [(-u, -j, k) for k, (u, j) in resident.items() if u != RECOMPUTED]
             heapq.heapify(self.heap)
+        if len(recomputed) > 2 * len(resident) + 1024:
+            self.recomputed = deque(k for k, (u, _) in resident.items() if u == RECOMPUTED)

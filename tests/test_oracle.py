@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from strategies import related_prompts
 from kvbench.cache.manager import CacheSpec, KVCacheManager
-from kvbench.oracle import _INF, _Occurrences, reference_hit_rates
+from kvbench.oracle import NO_USE, RECOMPUTED, _Occurrences, reference_hit_rates
 from kvbench.traffic import read_mooncake, trace_stats
 from kvbench.traffic.request import Request
 
@@ -127,6 +127,17 @@ def test_optimal_is_exhaustive_optimum(requests, tpb, data):
     assert refs.optimal_reused_tokens == brute_optimal(requests, tpb, capacity)
 
 
+def test_optimal_evicts_a_block_stored_again_before_its_reuse():
+    # Request 2 computes key [0] in any case (its only token is the one it must compute), so
+    # the optimum evicts request 0's first block for request 1's two, keeps the orphaned rest,
+    # and request 3 reuses all four once request 2 has stored [0] again. Farthest-next-use
+    # alone sees [0] reused by request 3, with the rest, and keeps only three of them.
+    rs = [req(0, [0] * 4), req(1, [0, 0], namespace="a"), req(2, [0]), req(3, [0] * 5),
+          req(4, [0])]
+    refs = reference_hit_rates(rs, 1, 5, partial_reuse=False)
+    assert refs.optimal_reused_tokens == brute_optimal(rs, 1, 5) == 4
+
+
 @settings(max_examples=150, **SETTINGS)
 @given(traces(max_requests=12, max_len=12), st.integers(1, 4))
 def test_next_use_and_ideal_full_blocks_naive(requests, tpb):
@@ -136,17 +147,15 @@ def test_next_use_and_ideal_full_blocks_naive(requests, tpb):
     got = occ.next_use_per_request()
     assert len(got) == len(requests)
     for i, keys in enumerate(keys_of):
-        want_pos, want_use = [], []
+        want = []
         for j, k in enumerate(keys):
-            nxt = _INF
+            nxt = NO_USE
             for later in range(i + 1, len(requests)):
-                if j < caps[later] and j < len(keys_of[later]) and keys_of[later][j] == k:
-                    nxt = later
+                if k in keys_of[later]:
+                    nxt = later if keys_of[later].index(k) < caps[later] else RECOMPUTED
                     break
-            if nxt != _INF:
-                want_pos.append(j)
-                want_use.append(nxt)
-        assert (list(got[i][0]), list(got[i][1])) == (want_pos, want_use), i
+            want.append(nxt)
+        assert got[i] == want, i
     seen: set = set()
     ideal = occ.ideal_full_blocks()
     for i, keys in enumerate(keys_of):

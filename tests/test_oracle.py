@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from strategies import related_prompts
 from kvbench.cache.manager import CacheSpec, KVCacheManager
+from kvbench.cache.policies import ADMISSIONS, POLICY_NAMES
 from kvbench.oracle import NO_USE, RECOMPUTED, _Occurrences, reference_hit_rates
 from kvbench.traffic import read_mooncake, trace_stats
 from kvbench.traffic.request import Request
@@ -25,11 +26,12 @@ def req(i, tokens, namespace=None) -> Request:
     return Request(i, 0.0, len(toks), 1, tokens=toks, namespace=namespace)
 
 
-def replay(requests, tpb, capacity, partial, copy=True) -> int:
+def replay(requests, tpb, capacity, partial, copy=True, policy="lru", admission="all") -> int:
     """Reused tokens of the cache manager in cache mode."""
     m = KVCacheManager(CacheSpec(
         tokens_per_block=tpb, num_gpu_blocks=capacity, enable_block_reuse=True,
-        enable_partial_reuse=partial, copy_on_partial_reuse=copy))
+        enable_partial_reuse=partial, copy_on_partial_reuse=copy, eviction_policy=policy,
+        admission=admission))
     total = 0
     for r in requests:
         seq = m.add_sequence(r)
@@ -127,6 +129,18 @@ def test_optimal_is_exhaustive_optimum(requests, tpb, data):
     assert refs.optimal_reused_tokens == brute_optimal(requests, tpb, capacity)
 
 
+@settings(max_examples=60, **SETTINGS)
+@given(traces(max_requests=12, max_len=10, namespaces=True), st.integers(1, 3),
+       st.integers(0, 3), st.sampled_from(POLICY_NAMES), st.sampled_from(ADMISSIONS))
+def test_no_policy_beats_the_optimum(requests, tpb, extra, policy, admission):
+    # The optimum bounds every eviction order and admission, not only LRU's (partial reuse
+    # off: with it the oracle is not a proven optimum).
+    capacity = max(-(-r.input_length // tpb) for r in requests) + extra
+    refs = reference_hit_rates(requests, tpb, capacity, partial_reuse=False)
+    hit = replay(requests, tpb, capacity, False, policy=policy, admission=admission)
+    assert hit <= refs.optimal_reused_tokens <= refs.ideal_reused_tokens
+
+
 def test_optimal_evicts_a_block_stored_again_before_its_reuse():
     # Request 2 computes key [0] in any case (its only token is the one it must compute), so
     # the optimum evicts request 0's first block for request 1's two, keeps the orphaned rest,
@@ -136,6 +150,19 @@ def test_optimal_evicts_a_block_stored_again_before_its_reuse():
           req(4, [0])]
     refs = reference_hit_rates(rs, 1, 5, partial_reuse=False)
     assert refs.optimal_reused_tokens == brute_optimal(rs, 1, 5) == 4
+
+
+def test_a_policy_that_lets_a_recomputed_block_go_stays_under_the_optimum():
+    # A one-token prompt computes its block in any case (its only token is the one it must
+    # compute): SLRU's order reused 3 tokens here, more than farthest-next-use alone (2), which
+    # kept such blocks for their later reuse.
+    spec = [([0], None), ([0], None), ([0], None), ([1], "a"), ([1] + [0] * 9, "a"),
+            ([0], "a"), ([1] + [0] * 9, None), ([0], None), ([0, 0], None),
+            ([1] + [0] * 9, "a"), ([0], None)]
+    rs = [req(i, t, n) for i, (t, n) in enumerate(spec)]
+    refs = reference_hit_rates(rs, 1, 11, partial_reuse=False)
+    assert replay(rs, 1, 11, False, policy="slru") == 3
+    assert refs.optimal_reused_tokens == brute_optimal(rs, 1, 11) == 3
 
 
 @settings(max_examples=150, **SETTINGS)

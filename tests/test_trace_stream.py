@@ -89,6 +89,23 @@ def test_spill_reads_forwards_and_backwards_across_chunks(monkeypatch):
         trace.close()
 
 
+def test_streamed_optimum_evicts_a_block_stored_again_before_its_reuse():
+    # Request 2 computes block [0] in any case; the optimum lets it go for request 1's blocks
+    # and request 3 reuses all four (`test_oracle` has the case on token prompts).
+    chains = [[0, 1, 2, 3], [7, 8], [0], [0, 1, 2, 3, 4], [0]]
+    requests = [Request(i, float(i), len(ids), 1, hash_ids=np.array(ids, dtype=np.int64),
+                        trace_block_tokens=1) for i, ids in enumerate(chains)]
+    assert reference_hit_rates(requests, 1, 5, partial_reuse=False).optimal_reused_tokens == 4
+    for r in requests:
+        r.drop_keys()
+    trace = SpilledTrace(iter(requests))
+    try:
+        assert streamed_reference_hit_rates(trace, 1, 5, partial_reuse=False) \
+            .optimal_reused_tokens == 4
+    finally:
+        trace.close()
+
+
 def test_spill_refuses_what_it_cannot_stream():
     tokens = [Request(0, 0.0, 3, 1, tokens=np.arange(3))]
     sparse = [Request(0, 0.0, 8, 1, hash_ids=np.array([1 << 38, 5]), trace_block_tokens=4)]

@@ -435,7 +435,7 @@ def scenarios(draw):
     return requests, tpb, blocks, reuse, partial, copy
 
 
-@settings(max_examples=600, derandomize=True, deadline=None,
+@settings(max_examples=600, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(scenarios())
 def test_manager_matches_reference(scenario):
@@ -555,7 +555,7 @@ def interleavings(draw):
     return requests, tpb, blocks, partial, copy, picks
 
 
-@settings(max_examples=300, derandomize=True, deadline=None,
+@settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(interleavings())
 def test_invariants_with_interleaved_sequences(case):

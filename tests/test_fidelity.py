@@ -168,7 +168,7 @@ def _history_and_batch(data, tpb, host, partial, copy):
     return mgr, held, [req(p) for p in batch]
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
+@settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), tpb=st.integers(1, 3), host=st.integers(0, 5), partial=st.booleans(),
        copy=st.booleans())
@@ -209,7 +209,7 @@ def _serve_requests(rng, n=14):
     return out
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), tpb=st.sampled_from([2, 4]), extra=st.integers(0, 24),
        host=st.integers(0, 12), partial=st.booleans(), copy=st.booleans(),
@@ -326,7 +326,7 @@ def _state(mgr):
             [idx.key_of(b) for b in mgr.gpu.free_queue.order()])
 
 
-@settings(max_examples=120, deadline=None, derandomize=True,
+@settings(max_examples=120, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(prompts=st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=3, max_size=9),
                                   st.sampled_from([10, 35, 35, 50, 90])), min_size=1,

@@ -153,7 +153,7 @@ class ListModel:
         return order[0]
 
 
-@settings(max_examples=300, derandomize=True, deadline=None,
+@settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(ops)
 def test_matches_list_model(operations):

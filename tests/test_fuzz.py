@@ -307,7 +307,7 @@ def campaign(examples: int):
                    (one_trace, trace_case(samples)), (result_case, mutated_result(base))]
         for (fn, strategy), share in zip(targets, SHARES.values()):
             n = max(1, math.floor(examples * share))
-            settings(max_examples=n, derandomize=True, deadline=None, database=None,
+            settings(max_examples=n, deadline=None, database=None,
                      suppress_health_check=list(HealthCheck))(given(strategy)(fn))()
         assert _rss() - start_rss < RSS_GROWTH_BYTES
 

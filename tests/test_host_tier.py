@@ -140,7 +140,7 @@ def test_onboarded_host_slot_is_handed_out_next():
 step = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=9), min_size=1, max_size=4)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(
     steps=st.lists(step, min_size=1, max_size=8),

@@ -96,7 +96,7 @@ def traces(draw, max_requests=10, max_len=12, namespaces=False):
     return [req(i, p, n) for i, (p, n) in enumerate(zip(out, ns))]
 
 
-SETTINGS = dict(derandomize=True, deadline=None,
+SETTINGS = dict(deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

@@ -416,7 +416,6 @@ def test_policy_matches_brute_force_reference(name, admission, backing, monkeypa
     if backing == "table":
         monkeypatch.setattr(policy_base, "DICT_HISTORY_MAX", 0)
     @settings(max_examples=(150 if admission == "all" else 50) // (1 + (backing == "table")),
-              derandomize=True,
               deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(policy_scenarios(name))
@@ -450,7 +449,7 @@ def test_invariants_with_every_policy(name, admission):
     """The interleaved-sequence driver of test_cache_manager (no block in use evicted, blocks
     conserved, every reused block holds its tokens) with each policy and admission."""
 
-    @settings(max_examples=60, derandomize=True, deadline=None,
+    @settings(max_examples=60, deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(interleavings())
     def check(case):
@@ -485,7 +484,7 @@ def test_invariants_with_every_policy(name, admission):
     check()
 
 
-@settings(max_examples=200, derandomize=True, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.integers(1, 12),
        st.lists(st.tuples(st.sampled_from(["batch", "each", "contains"]),
                           st.lists(st.one_of(st.none(), st.integers(0, 60)), max_size=12)),
@@ -522,7 +521,7 @@ def test_key_history_backings_agree(capacity, calls):
         assert list(small._map.values()) == sorted(small._map.values())
 
 
-@settings(max_examples=150, derandomize=True, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.integers(1, 40), st.sampled_from([0, 3, 1 << 30]),
        st.lists(st.lists(st.integers(0, 400), max_size=90), max_size=25))
 def test_key_history_table_batches_agree_with_the_dict(capacity, few, batches):
@@ -575,7 +574,7 @@ def test_key_history_probes_wrap_around_the_table(few):
         policy_base.DICT_HISTORY_MAX, policy_base._FEW = saved
 
 
-@settings(max_examples=200, derandomize=True, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.integers(1, 12),
        st.lists(st.lists(st.one_of(st.none(), st.integers(0, 80)), max_size=12), max_size=40))
 def test_ghost_keys_remember_as_a_key_history(capacity, batches):

@@ -64,7 +64,7 @@ def operations(draw):
     return prompts, tpb, ops
 
 
-@settings(max_examples=300, derandomize=True, deadline=None,
+@settings(max_examples=300, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(operations())
 def test_children_equal_a_scan_after_random_operations(case):

@@ -32,7 +32,7 @@ def test_matches_a_list_per_fifo(slack, monkeypatch):
     """Slack 0 compacts a FIFO as soon as it holds more entries than twice its blocks."""
     monkeypatch.setattr(run_queue, "_SLACK", slack)
 
-    @settings(max_examples=200, derandomize=True, deadline=None,
+    @settings(max_examples=200, deadline=None,
               suppress_health_check=[HealthCheck.too_slow])
     @given(ops)
     def check(operations):

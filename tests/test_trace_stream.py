@@ -51,7 +51,7 @@ def hash_traces(draw):
     return reqs
 
 
-@settings(max_examples=100, deadline=None, derandomize=True)
+@settings(max_examples=100, deadline=None)
 @given(hash_traces(), st.integers(1, 9), st.integers(0, 6), st.booleans())
 def test_streamed_references_equal_in_memory(requests, tpb, extra, partial):
     capacity = max(-(-r.input_length // tpb) for r in requests) + extra

@@ -162,7 +162,7 @@ def _floor(window: int | None, tpb: int, requests: list[Request], mnt: int) -> i
     return most + 1
 
 
-@settings(max_examples=40, deadline=None, derandomize=True,
+@settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6),
        windows=st.lists(st.sampled_from([1, 2, 3, 5, 8, 13, None]), min_size=1, max_size=5),

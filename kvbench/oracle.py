@@ -37,9 +37,12 @@ import numpy as np
 from .traffic.request import _END_BITS, Request
 
 NO_USE = -1
-"""Next occurrence of a block's key: none (`_Occurrences.next_use_per_request`)."""
+"""Next occurrence of a block's key: none (`_Occurrences.next_use_per_request` leaves such
+blocks out; the streamed references' next-use file holds it)."""
 RECOMPUTED = -2
 """Next occurrence of a block's key: in a request that computes the block in any case."""
+_DEPTH_BITS = 32
+_DEPTH_MASK = (1 << _DEPTH_BITS) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,23 +123,29 @@ class _Occurrences:
         lead = ok & (bad_before == seg_base[self.req])
         return np.bincount(self.req[lead], minlength=self.num_requests)
 
-    def next_use_per_request(self) -> list[list[int]]:
-        """Per request, per full block: where its key occurs next. The request there when it
-        could reuse the block (inside its hittable prefix), `RECOMPUTED` when that request
-        computes the block in any case (past it), `NO_USE` when no later request holds it."""
-        n = self.total
-        if not n:
-            return [[] for _ in range(self.num_requests)]
+    def next_use_per_request(self) -> list[tuple[list[int], list[int]]]:
+        """Per request: the positions of its full blocks whose key a later request holds and,
+        for each, where it occurs next: that request when it could reuse the block (inside its
+        hittable prefix), `RECOMPUTED` when it computes the block in any case (past it). The
+        other blocks (`NO_USE`) are left out: most blocks of a trace, and all they need is a
+        count."""
+        if not self.total:
+            return [([], []) for _ in range(self.num_requests)]
         o = self.order
         # Equal keys are grouped in request order: the next occurrence is the next entry.
-        nxt_sorted = np.full(n, NO_USE, dtype=np.int64)
+        nxt_sorted = np.full(self.total, NO_USE, dtype=np.int64)
         nxt_sorted[:-1] = np.where(
             self.group_start[1:], NO_USE,
             np.where(self.hittable[o][1:], self.req[o][1:], RECOMPUTED))
-        nxt = np.empty(n, dtype=np.int64)
+        nxt = np.empty(self.total, dtype=np.int64)
         nxt[o] = nxt_sorted
-        flat, starts = nxt.tolist(), self.starts.tolist()
-        return [flat[starts[i]:starts[i + 1]] for i in range(self.num_requests)]
+        later = nxt != NO_USE
+        pos = self.pos[later].tolist()
+        use = nxt[later].tolist()
+        cut = np.concatenate(([0], np.cumsum(np.bincount(
+            self.req[later], minlength=self.num_requests)))).tolist()
+        return [(pos[cut[i]:cut[i + 1]], use[cut[i]:cut[i + 1]])
+                for i in range(self.num_requests)]
 
 
 def _ideal_partial(
@@ -208,15 +217,15 @@ def _mix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _belady(
     requests: Sequence[Request], keys_of: list[list[int]], caps: list[int],
-    next_use: list[list[int]], ideal_full: np.ndarray, partial: list[int], tpb: int,
+    next_use: list[tuple[list[int], list[int]]], ideal_full: np.ndarray, partial: list[int], tpb: int,
     capacity: int,
 ) -> int:
     """Replay with farthest-next-use eviction (`_Belady`); returns reused tokens."""
     belady = _Belady(capacity, tpb)
-    for i, (r, keys, cap, uses, m, p) in enumerate(
+    for i, (r, keys, cap, (pos, uses), m, p) in enumerate(
         zip(requests, keys_of, caps, next_use, ideal_full.tolist(), partial)
     ):
-        belady.request(i, keys, cap, -(-r.input_length // tpb), uses, m, p)
+        belady.request(i, keys, cap, -(-r.input_length // tpb), pos, uses, m, p)
     return belady.reused
 
 
@@ -314,7 +323,10 @@ def _forward_references(trace, tpb: int, capacity: int | None, partial_reuse: bo
         if belady is not None:
             tid, ends = _run_keys(ids, length, tpb, block)
             keys = ((tid << _END_BITS) | ends).tolist()
-            belady.request(i, keys, (length - 1) // tpb, -(-length // tpb), uses.take(len(keys)),
+            nxt = uses.take(len(keys))
+            later = np.flatnonzero(nxt != NO_USE)
+            belady.request(i, keys, (length - 1) // tpb, -(-length // tpb), later.tolist(),
+                           nxt[later].tolist(),
                            m, p)
     if uses is not None:
         uses.close()
@@ -328,13 +340,13 @@ class _Int32Reader:
 
     def __init__(self, path: Path) -> None:
         self.f = open(path, "rb")
-        self.buf: list[int] = []
+        self.buf = np.zeros(0, dtype=np.int32)
         self.at = 0
 
-    def take(self, n: int) -> list[int]:
+    def take(self, n: int) -> np.ndarray:
         if self.at + n > len(self.buf):
             more = np.fromfile(self.f, dtype=np.int32, count=max(_NEXT_USE_CHUNK, n))
-            self.buf = self.buf[self.at:] + more.tolist()
+            self.buf = np.concatenate((self.buf[self.at:], more))
             self.at = 0
         out = self.buf[self.at:self.at + n]
         self.at += n
@@ -356,15 +368,16 @@ class _Belady:
     hits have next use == this request, the nearest possible, so they are never chosen while
     the request fits in the cache. As in the cache, the request allocates every block it does
     not reuse. The heap is rebuilt from the resident blocks whenever stale entries outnumber
-    them, so memory stays proportional to the capacity."""
+    them four to one, so memory stays proportional to the capacity."""
 
     __slots__ = ("capacity", "tpb", "resident", "never", "recomputed", "heap", "reused")
 
     def __init__(self, capacity: int, tpb: int) -> None:
         self.capacity = capacity
         self.tpb = tpb
-        self.resident: dict[int, tuple[int, int]] = {}
-        """key -> (next use or RECOMPUTED, depth) of the blocks a later request holds."""
+        self.resident: dict[int, int] = {}
+        """key -> `(next use or RECOMPUTED) << 32 | depth` of the blocks a later request holds
+        (one int: a tuple per block cost a fifth of the replay)."""
         self.never = 0
         """Blocks no later request holds."""
         self.recomputed: deque[int] = deque()
@@ -373,8 +386,12 @@ class _Belady:
         """(-next use, -depth, key)."""
         self.reused = 0
 
-    def request(self, i: int, keys: list[int], cap: int, num_blocks: int, uses: list[int],
-                ideal_full: int, partial: int) -> None:
+    def request(self, i: int, keys: list[int], cap: int, num_blocks: int, pos: list[int],
+                uses: list[int], ideal_full: int, partial: int) -> None:
+        """Request `i` with full-block `keys`, `cap` of them hittable, `num_blocks` blocks in
+        all; `pos` and `uses` say where the key of each block a later request holds occurs
+        next (`_Occurrences.next_use_per_request`); `ideal_full` and `partial`: the ideal's
+        full blocks and partial tokens."""
         resident, heap, recomputed = self.resident, self.heap, self.recomputed
         h = 0
         while h < cap and keys[h] in resident:
@@ -389,36 +406,40 @@ class _Belady:
                 continue
             if recomputed:
                 k = recomputed.popleft()
-                if resident.get(k, (0,))[0] == RECOMPUTED:
+                if resident.get(k, 0) >> _DEPTH_BITS == RECOMPUTED:
                     del resident[k]
                     excess -= 1
                 continue
             nu, nd, k = heapq.heappop(heap)
             entry = resident.get(k)
-            if entry is None or entry[0] != -nu:
+            if entry is None or entry >> _DEPTH_BITS != -nu:
                 continue
             assert -nu != i, "a request larger than the cache reached the oracle"
             del resident[k]
             excess -= 1
+        # Hits that no later request holds leave the index (they are counted in `never`).
+        f = 0
         for j in range(h):
-            if uses[j] == NO_USE:
+            if f < len(pos) and pos[f] == j:
+                f += 1
+            else:
                 del resident[keys[j]]
         # Past the hittable prefix a kept block of this key is one RECOMPUTED: this request
         # stores it again. (Inside it, a block the request misses is not kept: a kept block's
         # ancestors with the same next use are kept as long as it is.)
         for k in keys[cap:]:
             resident.pop(k, None)
-        for j, (k, u) in enumerate(zip(keys, uses)):
-            if u == NO_USE:
-                self.never += 1
-            elif u == RECOMPUTED:
-                resident[k] = (u, j)
+        self.never += len(keys) - len(pos)
+        for j, u in zip(pos, uses):
+            k = keys[j]
+            resident[k] = (u << _DEPTH_BITS) | j
+            if u == RECOMPUTED:
                 recomputed.append(k)
             else:
-                resident[k] = (u, j)
                 heapq.heappush(heap, (-u, -j, k))
-        if len(heap) > 2 * len(resident) + 1024:
-            self.heap = [(-u, -j, k) for k, (u, j) in resident.items() if u != RECOMPUTED]
+        if len(heap) > 4 * len(resident) + 4096:
+            self.heap = [(-(e >> _DEPTH_BITS), -(e & _DEPTH_MASK), k)
+                         for k, e in resident.items() if e >= 0]
             heapq.heapify(self.heap)
-        if len(recomputed) > 2 * len(resident) + 1024:
-            self.recomputed = deque(k for k, (u, _) in resident.items() if u == RECOMPUTED)
+        if len(recomputed) > 4 * len(resident) + 4096:
+            self.recomputed = deque(k for k, e in resident.items() if e < 0)

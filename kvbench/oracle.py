@@ -217,8 +217,8 @@ def _mix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _belady(
     requests: Sequence[Request], keys_of: list[list[int]], caps: list[int],
-    next_use: list[tuple[list[int], list[int]]], ideal_full: np.ndarray, partial: list[int], tpb: int,
-    capacity: int,
+    next_use: list[tuple[list[int], list[int]]], ideal_full: np.ndarray, partial: list[int],
+    tpb: int, capacity: int,
 ) -> int:
     """Replay with farthest-next-use eviction (`_Belady`); returns reused tokens."""
     belady = _Belady(capacity, tpb)
@@ -271,7 +271,7 @@ def _backward_next_uses(trace, tpb: int, path: Path) -> None:
     occurrence of every (id, block inside it) in one int32 table."""
     block = trace.block_tokens
     per_id = -(-block // tpb)
-    table = np.full((trace.max_id + 1) * per_id, -1, dtype=np.int32)
+    table = np.full((trace.max_id + 1) * per_id, NO_USE, dtype=np.int32)
     lengths = np.frombuffer(trace.input_lengths, dtype=np.int32).astype(np.int64)
     full = lengths // tpb
     starts = np.concatenate(([0], np.cumsum(full)))
@@ -326,8 +326,7 @@ def _forward_references(trace, tpb: int, capacity: int | None, partial_reuse: bo
             nxt = uses.take(len(keys))
             later = np.flatnonzero(nxt != NO_USE)
             belady.request(i, keys, (length - 1) // tpb, -(-length // tpb), later.tolist(),
-                           nxt[later].tolist(),
-                           m, p)
+                           nxt[later].tolist(), m, p)
     if uses is not None:
         uses.close()
     return ideal, (belady.reused if belady is not None else None)
@@ -377,7 +376,7 @@ class _Belady:
         self.tpb = tpb
         self.resident: dict[int, int] = {}
         """key -> `(next use or RECOMPUTED) << 32 | depth` of the blocks a later request holds
-        (one int: a tuple per block cost a fifth of the replay)."""
+        (one int, so no tuple is made per block)."""
         self.never = 0
         """Blocks no later request holds."""
         self.recomputed: deque[int] = deque()

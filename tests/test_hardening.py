@@ -504,4 +504,5 @@ def test_python_dash_m_kvbench_is_the_command(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"kvbench: error: {path}:2:{line.index('-3') + 1}: cache.tokens_per_block: expected a value > 0 (got -3)"]
+        f"kvbench: error: {path}:2:{line.index('-3') + 1}: cache.tokens_per_block: "
+        "expected a value > 0 (got -3)"]

@@ -183,13 +183,12 @@ def test_windowed_serve_admission_properties(seed, windows, tpb, mnt, extra, scr
     # The sequential add matches, claims and allocates one request at a time, so a request's
     # allocation may evict a cached block a later request of the step was counted on (what
     # the batched add fixes): its draw can exceed the count. Only the batched add is audited.
-    m = (Audited if batch else WindowedCacheManager)(cycles, [CacheSpec(tpb, _floor(c.window, tpb, requests, mnt)
-                                   + rng.randint(0, extra),
-                                   num_host_blocks=host,
-                                   enable_partial_reuse=rng.random() < 0.7,
-                                   copy_on_partial_reuse=rng.random() < 0.5) for c in cycles],
-                release_out_of_window=rng.choice(["keep_cached", "drop"]),
-                swa_scratch_reuse=scratch)
+    specs = [CacheSpec(tpb, _floor(c.window, tpb, requests, mnt) + rng.randint(0, extra),
+                       num_host_blocks=host, enable_partial_reuse=rng.random() < 0.7,
+                       copy_on_partial_reuse=rng.random() < 0.5) for c in cycles]
+    m = (Audited if batch else WindowedCacheManager)(
+        cycles, specs, release_out_of_window=rng.choice(["keep_cached", "drop"]),
+        swa_scratch_reuse=scratch)
     m.enable_sanity_tracking()
     if batch:
         m.enable_audit()

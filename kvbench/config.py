@@ -191,6 +191,9 @@ class PredictiveConfig(Section):
     prior_weight: float = Field(20.0, gt=0, description="Pseudo-uses the prior counts for.")
     history_ratio: float = Field(
         8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks.")
+    shadow_sampling: int = Field(
+        8, ge=0, description="One key in this many feeds the LRU and whole-boost shadow caches"
+        " that choose whether the boost applies (0: always).")
 
 
 class LRU2Config(Section):

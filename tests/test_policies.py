@@ -14,6 +14,7 @@ from kvbench.cache.policies import (POLICIES, POLICY_NAMES, GDSFParams, LRU2Para
                                     PredictiveParams, S3FIFOParams, SLRUParams)
 from kvbench.cache.policies import base as policy_base
 from kvbench.cache.ids import Retention, TokenRangeRetention
+from kvbench.cache.policies.predictive import SHARES, _Shadow
 from kvbench.cache.policies.segments import GhostKeys, spread_key
 from kvbench.traffic.request import Request
 from strategies import related_prompts
@@ -71,6 +72,14 @@ class RefScored(_Ref):
         self.L = 0
         if name == "predictive":
             self.horizon = int(params.horizon_ratio * capacity)
+            self.sampling = params.shadow_sampling
+            self.scap = max(1, capacity // self.sampling) if self.sampling else 0
+            self.shadows = [{} for _ in SHARES]  # per share: key -> (stamp, class, order)
+            self.s_order = 0
+            self.hits = [0] * len(SHARES)
+            self.halve_at = self.hcap
+            self.share = 1.0
+            self.bkey = None
         else:
             self.w = int(params.freq_weight * 1024)
 
@@ -91,14 +100,36 @@ class RefScored(_Ref):
             classes.append(min([cls] + classes[-1:]))  # never above the parent
         self._prune(self.hist, self.clock, self.hcap)
         if self.name == "predictive":
-            p, best = self.p, 0
+            p, best, full = self.p, 0.0, [0.0] * (self.top + 1)
             for c in range(1, self.top + 1):
                 chance = (self.reuses[c] + p.prior * p.prior_weight) / (self.uses[c]
                                                                          + p.prior_weight)
-                best = max(best, int(p.boost * self.horizon * chance))
-                self.shift[c] = best
+                best = full[c] = max(best, p.boost * self.horizon * chance)
+            if self.sampling:
+                self._shadows(blocks, list(reversed(classes)), stamp, full)
+            self.shift = [int(self.share * f) for f in full]
         for b, c in zip(blocks, reversed(classes)):
             self._push(b, level, cls=c, stamp=stamp)
+
+    def _shadows(self, blocks, classes, stamp, full):
+        """Each share's shadow: sampled keys inserted deepest first, then the lowest (stamp +
+        share x full shift, class, insertion order) evicted while over capacity."""
+        sampled = [(self.key(b), c) for b, c in zip(blocks, classes)
+                   if self.bkey(self.key(b)) % 65521 % self.sampling == 0]
+        for i, (share, shadow) in enumerate(zip(SHARES, self.shadows)):
+            self.hits[i] += sum(k in shadow for k, _ in sampled)
+            for k, c in sampled:
+                self.s_order += 1
+                shadow[k] = (stamp, c, self.s_order)
+            shift = [int(share * f) for f in full]
+            while len(shadow) > self.scap:
+                del shadow[min(shadow, key=lambda k: (shadow[k][0] + shift[shadow[k][1]],
+                                                      shadow[k][1], shadow[k][2]))]
+        while self.clock >= self.halve_at:
+            self.hits = [h // 2 for h in self.hits]
+            self.halve_at += self.hcap
+        top = max(self.hits)
+        self.share = max(sh for sh, h in zip(SHARES, self.hits) if h == top)
 
     def score(self, s):
         if self.name == "predictive":
@@ -384,7 +415,8 @@ _PARAMS = {
                             boost=st.sampled_from([0.0, 1.0, 4.0]),
                             max_class=st.integers(1, 4), prior=st.sampled_from([0.0, 0.2]),
                             prior_weight=st.sampled_from([1.0, 20.0]),
-                            history_ratio=st.sampled_from([0.5, 1.0, 8.0])),
+                            history_ratio=st.sampled_from([0.5, 1.0, 8.0]),
+                            shadow_sampling=st.sampled_from([0, 1, 2, 8])),
     "gdsf": st.builds(GDSFParams, freq_weight=st.sampled_from([0.5, 1.0, 3.0]),
                       max_freq=st.integers(1, 5), history_ratio=st.sampled_from([0.5, 8.0])),
     "slru": st.builds(SLRUParams, protected_ratio=st.sampled_from([0.2, 0.5, 0.8]),
@@ -817,6 +849,24 @@ def _sessions(groups, users, turns):
     return out
 
 
+def _against_reference(name, params, prompts, fallen_back) -> tuple[int, int]:
+    """Replay `prompts` through policy `name`, checking every victim against the reference;
+    returns the blocks reused and the requests after which `fallen_back(policy)` held."""
+    m = KVCacheManager(CacheSpec(2, 16, enable_partial_reuse=False, eviction_policy=name,
+                                 policy_params=params))
+    m.enable_sanity_tracking()
+    logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
+    ref = RefCache(2, 16, name, params)
+    hits = fallbacks = 0
+    for toks in prompts:
+        r = req(toks)
+        hits += _replay(m, logged, r)
+        assert logged.log == ref.process(r)
+        logged.log = []
+        fallbacks += fallen_back(logged.inner)
+    return hits, fallbacks
+
+
 def test_lru2_shadows_fall_back_to_lru_when_it_holds_more():
     """Short sessions: a turn's new block is once-used until the next turn, and the prefixes of
     finished sessions (used twice) hold on under LRU-2. The LRU shadow sees more hits, so the
@@ -824,19 +874,9 @@ def test_lru2_shadows_fall_back_to_lru_when_it_holds_more():
     prompts = _sessions(6, 4, 3)
     hits = {}
     for sampling in (0, 1):
-        params = LRU2Params(history_ratio=8.0, shadow_sampling=sampling)
-        m = KVCacheManager(CacheSpec(2, 16, enable_partial_reuse=False, eviction_policy="lru2",
-                                     policy_params=params))
-        m.enable_sanity_tracking()
-        logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
-        ref = RefCache(2, 16, "lru2", params)
-        hits[sampling] = lru_requests = 0
-        for toks in prompts:
-            r = req(toks)
-            hits[sampling] += _replay(m, logged, r)
-            assert logged.log == ref.process(r)
-            logged.log = []
-            lru_requests += not logged.inner.use_lru2
+        hits[sampling], lru_requests = _against_reference(
+            "lru2", LRU2Params(history_ratio=8.0, shadow_sampling=sampling), prompts,
+            lambda policy: not policy.use_lru2)
         assert (lru_requests > 0) == (sampling > 0)
     assert hits[1] > hits[0]
 
@@ -878,3 +918,68 @@ def test_lru2_compaction_at_any_time_changes_no_victim():
             policy._compact_shadow()
             assert policy._check_sanity()
     assert sum(a != b for a, b in zip(orders, orders[1:])) >= 3  # both orders led, in turns
+
+
+@st.composite
+def shadow_releases(draw):
+    """Releases for a predictive shadow: sampled keys (distinct in a release, deepest first)
+    with non-decreasing classes, stamps that grow, and per-release shifts non-decreasing over
+    the classes (learnt estimates change between releases)."""
+    out, stamp = [], 0
+    for _ in range(draw(st.integers(1, 40))):
+        keys = draw(st.lists(st.integers(0, 30), min_size=1, max_size=6, unique=True))
+        classes = sorted(draw(st.lists(st.integers(1, 4), min_size=len(keys),
+                                       max_size=len(keys))))
+        steps = draw(st.lists(st.integers(0, 20), min_size=4, max_size=4))
+        shift = [0] + [sum(steps[:c]) for c in range(1, 5)]
+        stamp += draw(st.integers(1, 10))
+        out.append((keys, classes, stamp, shift))
+    return out
+
+
+@settings(max_examples=300)
+@given(releases=shadow_releases(), cap=st.integers(1, 12),
+       compact=st.lists(st.booleans(), min_size=40, max_size=40))
+def test_predictive_shadow_matches_brute_force(releases, cap, compact):
+    """A predictive shadow holds the keys a scan would keep: after each release, the lowest
+    (stamp + shift of its class, class, insertion order) go while over capacity, and it counts
+    the release's keys it held. With no shift it is the LRU shadow. Dropping stale entries at
+    any time changes nothing."""
+    shadow, lru = _Shadow(5), policy_base.LRUShadow()
+    ref: dict = {}  # key -> (stamp, class, insertion order)
+    order = 0
+    for (keys, classes, stamp, shift), squeeze in zip(releases, compact):
+        held = sum(k in ref for k in keys)
+        for k, c in zip(keys, classes):
+            order += 1
+            ref[k] = (stamp, c, order)
+        while len(ref) > cap:
+            del ref[min(ref, key=lambda k: (ref[k][0] + shift[ref[k][1]], ref[k][1], ref[k][2]))]
+        runs = [(c, classes.index(c), len(classes) - classes[::-1].index(c))
+                for c in sorted(set(classes))]
+        assert shadow.replay(keys, runs, stamp, shift, cap) == held
+        assert set(shadow.live) == set(ref)
+        if squeeze:
+            shadow._compact()
+        assert shadow._check_sanity()
+    zero = _Shadow(5)
+    for keys, classes, stamp, _ in releases:
+        runs = [(c, classes.index(c), len(classes) - classes[::-1].index(c))
+                for c in sorted(set(classes))]
+        assert zero.replay(keys, runs, stamp, [0] * 5, cap) == lru.replay(keys, cap)
+        assert list(zero.live) and set(zero.live) == set(lru.keys)
+
+
+def test_predictive_shadows_fall_back_to_lru_when_it_holds_more():
+    """Short sessions, six at a time: with the boost, prefixes of finished sessions (used more)
+    outstay the new turns' blocks (44 hits against LRU's 54). The LRU shadow sees more hits, so
+    the pool evicts LRU for a while: victims as the reference's, and more hits than the boost
+    alone."""
+    prompts = _sessions(6, 6, 4)
+    hits = {}
+    for sampling in (0, 1):
+        hits[sampling], lru_requests = _against_reference(
+            "predictive", PredictiveParams(shadow_sampling=sampling), prompts,
+            lambda policy: policy.share == 0.0)
+        assert (lru_requests > 0) == (sampling > 0)
+    assert hits[1] > hits[0]

@@ -20,7 +20,7 @@ before their parents and orphans are rare.
 from __future__ import annotations
 
 from bisect import bisect_left
-from itertools import compress, islice
+from itertools import compress, islice, repeat
 from operator import itemgetter
 
 import numpy as np
@@ -53,6 +53,10 @@ LOW_BYTE = np.array(255, np.int64)
 TICK_SHIFT = np.array(8, np.int64)
 """An entry's clock: `entry >> TICK_SHIFT`."""
 _TICK = 1 << int(TICK_SHIFT)
+
+SAMPLE_PRIME = np.array(65521, np.int64)
+"""Shadow caches take the keys with `key % prime % sampling == 0`: block keys of a trace are
+structured ints (hash id and offset), so their low bits alone would sample unevenly."""
 
 DICT_HISTORY_MAX = 1 << 15
 """The largest `KeyHistory` capacity kept in a dict (at most twice that many keys: a few MB,
@@ -351,6 +355,37 @@ class KeyHistory:
         self._shift = np.array(65 - size.bit_length(), np.uint64)
         self.count = 0
         self._used = 0
+
+
+class LRUShadow:
+    """A shadow cache of sampled keys in LRU order (miniature simulation, Waldspurger et al.,
+    USENIX ATC'17), trimmed to its capacity after each release: the keys LRU would hold in a
+    pool that many times smaller. It sees keys, not chains (a sampled key can hit after its
+    parent left): an estimate of LRU's hit rate, not a replay."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self) -> None:
+        self.keys: dict = {}
+        """Sampled keys in LRU order, each to True (a dict keeps insertion order; a use moves
+        a key last)."""
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def replay(self, keys: list, cap: int) -> int:
+        """Use a release's `keys` (deepest first: at equal recency the deeper goes first); how
+        many of them were held."""
+        lru = self.keys
+        # A key used again moves last (keys in a chain are distinct: each once). Its value is
+        # True, so one pop per key takes the held ones out and counts them.
+        held = sum(map(lru.pop, keys, repeat(False)))
+        lru.update(zip(keys, repeat(True)))
+        over = len(lru) - cap
+        if over > 0:
+            for k in list(islice(lru, over)):
+                del lru[k]
+        return held
 
 
 class ClassQueuePolicy:

@@ -63,7 +63,7 @@ from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from heapq import heapify, heappop, heappush
-from itertools import compress, islice, repeat
+from itertools import compress
 from operator import eq
 
 import numpy as np
@@ -71,15 +71,13 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import TICK_SHIFT, KeyHistory, chain_keys, tick_entries
+from .base import (SAMPLE_PRIME, TICK_SHIFT, KeyHistory, LRUShadow, chain_keys,
+                   tick_entries)
 
 _LEVEL_BITS = 7
 _LEVEL_MASK = (1 << _LEVEL_BITS) - 1
 _KEY_SHIFT = 64
 """A run's heap key is `(rank << 64) | first tag` (tags stay below 2**63)."""
-_SAMPLE_PRIME = np.array(65521, np.int64)
-"""Shadow keys are those with `key % prime % shadow_sampling == 0`: block keys of a trace are
-structured ints (hash id and offset), so their low bits alone would sample unevenly."""
 # Constant operands of per-release numpy calls are 0-d arrays: numpy converts a Python
 # scalar operand on every call, which costs more than the call on a short array.
 _ZERO = np.array(0, np.int64)
@@ -145,11 +143,9 @@ class LRU2Policy:
         self._size = 0
         n = params.shadow_sampling
         self._shadow_cap = max(1, capacity // n) if n else 0
-        self._sampled = np.arange(int(_SAMPLE_PRIME)) % n == 0 if n else None
+        self._sampled = np.arange(int(SAMPLE_PRIME)) % n == 0 if n else None
         """Whether a key is sampled, by `key % prime` (one lookup for two remainders)."""
-        self._shadow_lru: dict = {}
-        """Sampled keys in LRU order, each to True (a dict keeps insertion order; a use moves
-        a key last)."""
+        self._shadow_lru = LRUShadow()
         self._shadow_lru2: dict = {}
         """Sampled key -> the insertion order of its live entry in `_shadow_runs`."""
         self._shadow_runs: list[list] = []
@@ -188,7 +184,7 @@ class LRU2Policy:
         hist.store(known, slots, tick_entries(clock, known.size), earlier)
         if self._shadow_cap:  # the sampled keys (a partial block has none) and their ranks
             deep = known[::-1]  # deepest first, as the pool's pushes
-            picked = self._sampled[deep % _SAMPLE_PRIME]  # a mask: no index array to make
+            picked = self._sampled[deep % SAMPLE_PRIME]  # a mask: no index array to make
             keys = deep[picked].tolist()
             if keys:
                 self._shadow(keys, ranks[partial:][picked].tolist())
@@ -387,16 +383,9 @@ class LRU2Policy:
         """Replay a release's sampled keys with their ranks (deepest first, as the pool's
         pushes) against both shadows, trimming each to its capacity after the release."""
         hits = self.shadow_hits
-        lru, lru2 = self._shadow_lru, self._shadow_lru2
+        lru2 = self._shadow_lru2
         cap = self._shadow_cap
-        # LRU: a key used again moves last (keys in a chain are distinct: each once). Its
-        # value is True, so one pop per key takes the held ones out and counts them.
-        hits[0] += sum(map(lru.pop, keys, repeat(False)))
-        lru.update(zip(keys, repeat(True)))
-        over = len(lru) - cap
-        if over > 0:
-            for k in list(islice(lru, over)):
-                del lru[k]
+        hits[0] += self._shadow_lru.replay(keys, cap)
         # LRU-2: entries in (rank, insertion order); a key used again has a new live entry
         # (its old one goes stale), so the keys it held already are those it does not add.
         n = len(keys)

@@ -44,6 +44,11 @@ if _type_shown is not None:
     typer.core.TyperOption.display_type_rich = _no_flag_type
 
 
+_USAGE_ERROR = typer.BadParameter.__mro__[1]
+"""Click's UsageError (vendored by recent typer, Click's own before): every way a command line
+fails to parse."""
+
+
 def _version(value: bool) -> None:
     if value:
         out.print(f"kvbench {__version__}", highlight=False)
@@ -538,13 +543,15 @@ def main() -> None:
     warnings.simplefilter("always", TraceWarning)
     warnings.showwarning = _show_trace_warning
     try:
-        app()  # usage errors exit 2 inside, as Click does
-    except SystemExit as exc:
-        # Click turns Ctrl-C into a silent exit 130; say why the run stopped.
-        if exc.code == 130 and isinstance(getattr(exc.__context__, "__cause__", None),
-                                          KeyboardInterrupt):
-            err.print("kvbench: interrupted")
-        raise
+        # Not standalone: a command line that does not parse comes here, to be one line like
+        # all bad input (Click would print a usage box); the value is an exit code (`Exit`).
+        code = app(standalone_mode=False)
+    except _USAGE_ERROR as exc:
+        message = exc.format_message()
+        if message:  # empty: no arguments, and the help is already shown
+            where = exc.ctx.command_path if exc.ctx is not None else "kvbench"
+            _say(f"kvbench: error: {_one_line(message)} (see {where} --help)")
+        sys.exit(exc.exit_code)
     except InputError as exc:
         _say(f"kvbench: error: {_one_line(str(exc))}")
         sys.exit(2)
@@ -560,3 +567,6 @@ def main() -> None:
         _say(f"kvbench: failed: {type(exc).__name__}: {exc} "
              "(KVBENCH_DEBUG=1 shows the traceback)")
         sys.exit(1)
+    if code == 130:  # Click turns Ctrl-C into exit code 130; say why the run stopped
+        err.print("kvbench: interrupted")
+    sys.exit(code if isinstance(code, int) else 0)

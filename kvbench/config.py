@@ -31,9 +31,13 @@ from kvbench.config_keys import BadKey, apply_sets, parse_set, set_dotted, unuse
 from kvbench.config_requests import RequestsConfig
 from kvbench.config_tune import TuneConfig
 from kvbench.errors import InputError
+from kvbench.infile import read_input
 from kvbench.yamlsource import MAX_WORKLOAD_BYTES, parse_yaml, show_value
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1}
+MAX_RATIO = 1024.0
+"""The largest multiple of the pool a policy or the host tier may size or weigh something by: a
+larger one would allocate beyond any machine's memory or overflow 64-bit scores."""
 
 
 MAX_WINDOW = 2**31 - 1
@@ -156,7 +160,7 @@ class SLRUConfig(Section):
     protected_ratio: float = Field(
         0.8, gt=0, lt=1, description="Most of the pool the protected segment may hold.")
     history_ratio: float = Field(
-        8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks.")
+        8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
 
 
 class S3FIFOConfig(Section):
@@ -166,31 +170,35 @@ class S3FIFOConfig(Section):
         0.1, gt=0, lt=1, description="Share of the pool the small FIFO aims at.")
     max_freq: int = Field(3, ge=1, le=255, description="Accesses counted per block.")
     history_ratio: float = Field(
-        1.0, gt=0, description="Ghost keys remembered, as a multiple of the pool's blocks.")
+        1.0, gt=0, le=MAX_RATIO,
+        description="Ghost keys remembered, as a multiple of the pool's blocks.")
 
 
 class GDSFConfig(Section):
     """Depth- and chain-aware GDSF (`cache.eviction_policy: gdsf`)."""
 
     freq_weight: float = Field(
-        1.0, ge=0, description="Score gained per earlier use of the block's key.")
+        1.0, ge=0, le=MAX_RATIO, description="Score gained per earlier use of the block's key.")
     max_freq: int = Field(16, ge=1, le=255, description="Uses beyond this count no more.")
     history_ratio: float = Field(
-        8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks.")
+        8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
 
 
 class PredictiveConfig(Section):
     """Online-learnt reuse chance per use-count class (`cache.eviction_policy: predictive`)."""
 
     horizon_ratio: float = Field(
-        16.0, gt=0, description="Reuse counts as soon within this many pool sizes of traffic.")
+        16.0, gt=0, le=MAX_RATIO,
+        description="Reuse counts as soon within this many pool sizes of traffic.")
     boost: float = Field(
-        4.0, ge=0, description="Horizons a block with certain reuse is kept past LRU order.")
+        4.0, ge=0, le=MAX_RATIO,
+        description="Horizons a block with certain reuse is kept past LRU order.")
     max_class: int = Field(6, ge=1, le=255, description="Use counts told apart (more share the last).")
     prior: float = Field(0.2, ge=0, le=1, description="Reuse chance of a class with no data.")
-    prior_weight: float = Field(20.0, gt=0, description="Pseudo-uses the prior counts for.")
+    prior_weight: float = Field(
+        20.0, gt=0, le=1e9, description="Pseudo-uses the prior counts for.")
     history_ratio: float = Field(
-        8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks.")
+        8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
     shadow_sampling: int = Field(
         8, ge=0, description="One key in this many feeds the LRU and whole-boost shadow caches"
         " that choose whether the boost applies (0: always).")
@@ -200,8 +208,8 @@ class LRU2Config(Section):
     """LRU-2, or LRU while an LRU shadow cache does better (`cache.eviction_policy: lru2`)."""
 
     history_ratio: float = Field(
-        8.0, gt=0, description="Keys remembered, as a multiple of the pool's blocks; the"
-        " shadow counts halve every such period.")
+        8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's"
+        " blocks; the shadow counts halve every such period.")
     shadow_sampling: int = Field(
         8, ge=0, description="One key in this many feeds the LRU and LRU-2 shadow caches that"
         " choose the order (0: always LRU-2).")
@@ -230,7 +238,8 @@ class CacheConfig(Section):
         " (bytes = max_tokens x KV bytes per token over all layers).",
     )
     host_offload_ratio: float = Field(
-        0.0, ge=0, description="Host tier capacity / GPU tier capacity; 0 = no host tier."
+        0.0, ge=0, le=MAX_RATIO,
+        description="Host tier capacity / GPU tier capacity; 0 = no host tier.",
     )
     enable_block_reuse: bool = Field(True, description="Reuse cached blocks of matching prefixes.")
     enable_partial_reuse: bool = Field(True, description="Reuse a partially matching block too.")
@@ -369,7 +378,7 @@ class RunConfig(Section):
     backend: Literal["none", "torch", "flashinfer", "auto"] = Field(
         "none", description="Attention data plane; none = metadata only."
     )
-    seed: int = Field(0, description="Random seed.")
+    seed: int = Field(0, ge=0, description="Random seed.")
     verify: Annotated[Literal["all", "sample", "off"], BeforeValidator(_off_is_false)] = Field(
         "all", description="Which attention outputs the verifier checks (YAML's bare off, read"
         " as false, means off)."
@@ -527,10 +536,7 @@ def resolve_path(workload: Workload, p: str) -> Path:
 def load_workload(path: str | Path, sets: Sequence[str] = ()) -> Workload:
     """Read, override and validate a workload YAML; every problem is one InputError line."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    raw = read_input(path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -24,4 +24,5 @@ Number = Annotated[Union[int, float], BeforeValidator(_require_number)]
 
 class Section(BaseModel):
     # strict: YAML already types its scalars, so "32" or true where an int belongs is a mistake.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # No float is infinite or NaN: every one sizes, scales or weighs something.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)

@@ -101,6 +101,7 @@ def _model_at(path: tuple, root: type[BaseModel]) -> type[BaseModel] | None:
 _EXPECTED = {
     "int_type": "expected an integer",
     "float_type": "expected a number",
+    "finite_number": "expected a finite number",
     "bool_type": "expected true or false",
     "string_type": "expected a string",
     "list_type": "expected a list",

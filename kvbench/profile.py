@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from .errors import InputError
+from .infile import read_input
 
 FORMAT = 1
 SHAPE_KEYS = ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "hidden_size",
@@ -115,10 +116,13 @@ def model_shape(model, tokens_per_block: int) -> dict[str, Any]:
 
 def load_profile(path: Path) -> HardwareProfile:
     """Read a profile; InputError naming the file and key for anything malformed."""
+    raw = read_input(path, " the hardware profile")
     try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read the hardware profile ({exc.strerror})") from None
+        doc = yaml.safe_load(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except RecursionError:
+        raise InputError(f"{path}: nested too deeply to be a hardware profile") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""

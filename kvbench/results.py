@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from . import __version__
 from .errors import InputError
+from .infile import read_input
 from .metrics import json_schema as metrics_json_schema
 from .metrics import type_error
 
@@ -177,10 +178,7 @@ def run_workload(result: dict, run: dict) -> str:
 def read_result(path: str | Path) -> dict:
     """A result JSON, checked (`check_result`); unreadable or not ours is bad input."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    raw = read_input(path)
     if raw.startswith(b"SQLite format 3\0"):
         raise InputError(f"{path}: an SQLite database (a kvbench tune study?), not a kvbench "
                          "result; write one with kvbench run --json")
@@ -191,6 +189,8 @@ def read_result(path: str | Path) -> dict:
                          "expected a kvbench result JSON") from None
     except json.JSONDecodeError as exc:
         raise InputError(f"{path}:{exc.lineno}:{exc.colno}: not JSON: {exc.msg}") from None
+    except RecursionError:
+        raise InputError(f"{path}: JSON nested too deeply to be a kvbench result") from None
     check_result(data, str(path))
     return data
 

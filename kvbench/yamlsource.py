@@ -48,7 +48,8 @@ class YamlLimit(Exception):
 
 def check_bounds(root: yaml.Node) -> None:
     """Refuse (`YamlLimit`) a composed document whose nesting passes MAX_YAML_DEPTH, whose
-    aliases expand it past MAX_YAML_NODES, or that contains itself. Aliases are one shared node
+    aliases expand it past MAX_YAML_NODES, that contains itself, or that gives a mapping one
+    key twice (YAML forbids it; PyYAML would keep the last silently). Aliases are one shared node
     in the composed graph, so a post-order walk with sizes memoized per node is linear in the
     text, however far the aliases would expand."""
     size: dict[int, int] = {}
@@ -69,6 +70,8 @@ def check_bounds(root: yaml.Node) -> None:
             continue
         if key in size:
             continue
+        if isinstance(node, yaml.MappingNode):
+            _check_unique_keys(node)
         on_path.add(key)
         stack.append((node, True))
         for child in children:
@@ -82,6 +85,19 @@ def check_bounds(root: yaml.Node) -> None:
         for _ in range(MAX_YAML_DEPTH):
             node = max(_children(node), key=lambda c: height[id(c)])
         raise YamlLimit(node.start_mark, f"nested deeper than {MAX_YAML_DEPTH} levels")
+
+
+def _check_unique_keys(node: yaml.MappingNode) -> None:
+    # Before construction, so keys a `<<` merge brings (which the mapping's own may override)
+    # are not among them yet.
+    first: dict = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+            continue
+        seen = first.setdefault((key_node.tag, key_node.value), key_node)
+        if seen is not key_node:
+            raise YamlLimit(key_node.start_mark, f"duplicate key {key_node.value!r} (first at "
+                             f"line {seen.start_mark.line + 1})")
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:

@@ -167,7 +167,7 @@ def test_bad_input_points_at_line_and_column(tmp_path, text, expected):
 def test_unreadable_file(tmp_path):
     missing = tmp_path / "nope.yaml"
     assert error_of(missing) == f"{missing}: cannot read: No such file or directory"
-    assert error_of(tmp_path) == f"{tmp_path}: cannot read: Is a directory"
+    assert error_of(tmp_path) == f"{tmp_path}: cannot read: is a directory"
     binary = tmp_path / "bin.yaml"
     binary.write_bytes(b"name: \xff\n")
     assert error_of(binary).startswith(f"{binary}: cannot read: not UTF-8 text")

@@ -32,6 +32,21 @@ def tiny(tmp_path) -> Path:
     return path
 
 
+def replace_sections(text: str, extra: str) -> str:
+    """`text` with its top-level sections that `extra` names replaced by `extra`'s (a key
+    given twice is an error)."""
+    def sections(t):
+        out = []
+        for line in t.splitlines():
+            if line[:1].strip():
+                out.append([line])
+            else:
+                out[-1].append(line)
+        return {s[0].split(":")[0]: "\n".join(s) for s in out}
+    merged = sections(text) | sections(extra)
+    return "\n".join(merged.values()) + "\n"
+
+
 def one_error(code: int, err: str, expected_code: int = 2) -> str:
     """The single stderr line of a refused input."""
     assert code == expected_code, err
@@ -239,7 +254,7 @@ def test_validate_refuses_what_run_refuses(tmp_path, capsys, extra, expected):
         json.dumps({"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]})
         + "\n{oops\n")
     path = tmp_path / "w.yaml"
-    path.write_text(TINY + extra + "\n")
+    path.write_text(replace_sections(TINY, extra))
     messages = []
     for command in (["validate"], ["run", "-q"]):
         code, _, err = run_cli([*command, path], capsys)
@@ -265,8 +280,9 @@ def test_validate_takes_several_files(tiny, tmp_path, capsys):
      "--set model.attention_window: expected a positive integer up to 2147483647"),
     (["model.attention_window=[5, 6, 7]"],
      "--set model.attention_window: expected at most model.num_layers=2 entries"),
-    (["cache.host_offload_ratio=1e9"], "{w}: the cache manager's block metadata would take"),
-    (["cache.host_offload_ratio=1e5", "cache.max_tokens=65536"],
+    (["cache.host_offload_ratio=1e9"],
+     "--set cache.host_offload_ratio: expected a value <= 1024 (got 1000000000.0)"),
+    (["cache.host_offload_ratio=1024", "cache.max_tokens=67108864"],
      "{w}: the cache manager's block metadata would take"),
     (["requests.synthetic.num_requests=100000000000"],
      "{w}: the synthetic requests' tokens would take"),
@@ -506,3 +522,99 @@ def test_python_dash_m_kvbench_is_the_command(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"kvbench: error: {path}:2:{line.index('-3') + 1}: cache.tokens_per_block: "
         "expected a value > 0 (got -3)"]
+
+
+# --- found by fuzzing every input (round 2) ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("sets", "expected"), [
+    (["cache.host_offload_ratio=.inf"], "--set cache.host_offload_ratio: expected a finite "
+                                        "number (got Infinity)"),
+    (["cache.eviction_policy=gdsf", "cache.policy.gdsf.freq_weight=.inf"],
+     "--set cache.policy.gdsf.freq_weight: expected a finite number (got Infinity)"),
+    (["cache.eviction_policy=predictive", "cache.policy.predictive.boost=.nan"],
+     "--set cache.policy.predictive.boost: expected a finite number (got NaN)"),
+    (["cache.eviction_policy=lru2", "cache.policy.lru2.history_ratio=1e308"],
+     "--set cache.policy.lru2.history_ratio: expected a value <= 1024 (got 1e+308)"),
+    (["run.seed=-1"], "--set run.seed: expected a value >= 0 (got -1)"),
+])
+def test_values_that_would_overflow_are_bad_input(tiny, capsys, sets, expected):
+    args = ["run", tiny, "-q"]
+    for s in sets:
+        args += ["--set", s]
+    assert one_error(*run_cli(args, capsys)[::2]) == expected
+
+
+def test_a_fifo_is_refused_without_opening_it(tiny, tmp_path, capsys):
+    """Opening a fifo blocks until a writer comes: every input a user names is checked to be
+    a regular file first (the alarm fails the test instead of hanging it)."""
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    good = tmp_path / "r.json"
+    assert run_cli(["run", tiny, "-q", "--json", good], capsys)[0] == 0
+
+    def hung(*_):
+        raise AssertionError("blocked opening a fifo")
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        for args, what in ((["run", tiny, "-q", "--set", "requests.source=trace", "--set",
+                             f"requests.path={fifo}"], " trace"),
+                           (["trace", "stats", fifo], " trace"), (["run", fifo], ""),
+                           (["compare", fifo, good], ""), (["compare", good, fifo], "")):
+            code, _, err = run_cli(args, capsys)
+            assert one_error(code, err) == f"{fifo}: cannot read{what}: not a regular file"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_a_result_nested_too_deeply_is_bad_input(tiny, tmp_path, capsys):
+    good, deep = tmp_path / "r.json", tmp_path / "deep.json"
+    assert run_cli(["run", tiny, "-q", "--json", good], capsys)[0] == 0
+    deep.write_text("[" * 100000 + "]" * 100000)
+    assert one_error(*run_cli(["compare", good, deep], capsys)[::2]) == (
+        f"{deep}: JSON nested too deeply to be a kvbench result")
+
+
+def test_a_key_given_twice_is_an_error_where_a_merge_may_override(tmp_path, capsys):
+    """YAML forbids a key twice in one mapping (PyYAML would keep the last silently); a key a
+    `<<` merge brings may still be overridden."""
+    path = tmp_path / "w.yaml"
+    path.write_text(TINY.replace("cache: {tokens_per_block: 16, max_tokens: 1024}",
+                                 "cache:\n  max_tokens: 1024\n  tokens_per_block: 16\n"
+                                 "  max_tokens: 2048"))
+    assert one_error(*run_cli(["validate", path], capsys)[::2]) == (
+        f"{path}:5:3: duplicate key 'max_tokens' (first at line 3)")
+    code, _, err = run_cli(["validate", path, "--set", "cache={max_tokens: 1, max_tokens: 2}"],
+                           capsys)
+    assert code == 2 and "duplicate key 'max_tokens'" in err
+    path.write_text(TINY.replace("cache: {tokens_per_block: 16, max_tokens: 1024}",
+                                 "cache: {<<: {tokens_per_block: 16, max_tokens: 1024}, "
+                                 "max_tokens: 2048}"))
+    out = tmp_path / "r.json"
+    assert run_cli(["run", path, "-q", "--json", out], capsys)[0] == 0
+    assert json.loads(out.read_text())["runs"][0]["config"]["cache"]["max_tokens"] == 2048
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["tune", "{w}", "--holdout", "abc"], "Invalid value for '--holdout': Input should be a "
+                                          "valid number, unable to parse string as a number"),
+    (["run", "--bogus", "{w}"], "No such option: --bogus"),
+    (["compare"], "Missing argument 'base'."),
+])
+def test_a_command_line_that_does_not_parse_is_one_line(tiny, capsys, args, expected):
+    code, _, err = run_cli([a.format(w=tiny) for a in args], capsys)
+    assert one_error(code, err).startswith(expected + " (see ")
+    code, out, err = run_cli([], capsys)  # no arguments: the help, as before
+    assert code == 2 and "Usage" in out and not err
+
+
+def test_a_tuned_value_the_key_cannot_take_is_refused_before_the_study(tiny, tmp_path, capsys):
+    tiny.write_text(TINY + "tune:\n  space: {cache.tokens_per_block: {choices: [16, -5]}}\n"
+                    "  objectives: [{metric: hit_rate, direction: maximize}]\n")
+    code, _, err = run_cli(["tune", tiny, "--storage", f"sqlite:///{tmp_path}/s.db"], capsys)
+    assert one_error(code, err) == (
+        f"{tiny}:8:50: tune.space.cache.tokens_per_block.choices[1]: not a value of "
+        "cache.tokens_per_block: expected a value > 0 (got -5)")
+    assert not (tmp_path / "s.db").exists()

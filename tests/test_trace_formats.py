@@ -285,6 +285,7 @@ _DROP = object()
 
 JSONL_BAD = [
     ("mooncake", MOONCAKE_OK, dict(timestamp="1"), "'timestamp' must be a number (ms), got \"1\""),
+    ("mooncake", MOONCAKE_OK, dict(timestamp=10**30), "'timestamp' must be at most 1e+15, got 1e+30"),
     ("mooncake", MOONCAKE_OK, dict(input_length=_DROP), "missing field 'input_length'"),
     ("mooncake", MOONCAKE_OK, dict(output_length=-1), "'output_length' must be in [0, 16777215], got -1"),
     ("mooncake", MOONCAKE_OK, dict(hash_ids=[1, [2]]),
@@ -374,6 +375,8 @@ WEKA_BAD = [
                                "requests": [here(bad(WEKA_REQ, t="1"))]}]), None, "'t' must be a number (s), got \"1\""),
     (dict(requests=[WEKA_REQ, here({"t": 1, "type": "subagent"})]), None,
      "missing field 'requests'"),
+    (dict(requests=[WEKA_REQ, here(bad(WEKA_REQ, t=1e308))]), None,
+     "'t' must be at most 1e+15, got 1e+308"),
 ]
 
 
@@ -420,6 +423,9 @@ CSV_BAD = [
     ("2023-11-16 18:15:47,374,4.5", "'GeneratedTokens' must be an integer, got '4.5'"),
     ("2023-11-16 18:15:47,374", "expected at least 3 columns, got 2"),
     ("2023-11-16 18:15:40,374,44", "'TIMESTAMP' 2023-11-16 18:15:40 is before the previous row's"),
+    ("2023-11-16 18:15:47+00:00,374,44", "'TIMESTAMP' '2023-11-16 18:15:47+00:00': expected a "
+                                         "date and time without a zone like the rows before"),
+    ("1e300,374,44", "'TIMESTAMP' must be a number of seconds in [0, 1e+15], got '1e300'"),
 ]
 
 
@@ -430,6 +436,83 @@ def test_csv_bad_field_exits_2_with_file_and_line(tmp_path, capsys, row, message
     code, out, err = run_cli(["trace", "stats", path, "--format", "lengths_csv"], capsys)
     assert code == 2 and err.strip() == f"kvbench: error: {path}:3: {message}"
     assert "Traceback" not in err + out
+
+
+def test_csv_zones_seven_digits_bom_and_the_line_of_a_bad_byte(tmp_path, capsys):
+    """Azure's seven fractional digits may carry a zone after them; a BOM before the header is
+    dropped; a byte that is not UTF-8 is reported on its own line (not where decoding ahead
+    happened to meet it)."""
+    path = tmp_path / "t.csv"
+    path.write_bytes(("\ufeff" + CSV_HEADER + "2023-11-16 18:15:46.6805900+01:00,374,44\n"
+                      "2023-11-16T17:15:47.1000000Z,10,1\n").encode())
+    assert [r.arrival_s for r in read(path, "lengths_csv")] == pytest.approx([0.0, 0.4194100])
+    path.write_bytes(CSV_HEADER.encode() + CSV_OK.encode() * 2 + b"2023-11-16 18:15:47,3\xff4,4\n")
+    code, _, err = run_cli(["trace", "stats", path], capsys)
+    assert code == 2 and err.strip() == f"kvbench: error: {path}:4: not UTF-8 text"
+
+
+@pytest.mark.parametrize(("compress", "suffix"), [("gzip", "gz"), ("bz2", "bz2"), ("lzma", "xz")])
+def test_compressed_traces_read_as_the_plain_one(tmp_path, capsys, compress, suffix):
+    """A gzip, bzip2 or xz trace is read as its plain text, whatever its name (a weka folder
+    takes `*.json.gz` and the like too); a truncated one is bad input naming the file."""
+    import importlib
+    opener = importlib.import_module(compress).open
+    samples = write_samples(tmp_path)
+    plain = samples["mooncake"]
+    packed = tmp_path / "m.packed"
+    with opener(packed, "wb") as f:
+        f.write(plain.read_bytes())
+    assert sniff(packed) == sniff(plain)
+    want = [(r.arrival_s, r.input_length, r.hash_ids.tolist()) for r in read(plain, "auto")]
+    assert [(r.arrival_s, r.input_length, r.hash_ids.tolist())
+            for r in read(packed, "auto")] == want
+    folder = tmp_path / "w"
+    folder.mkdir()
+    doc = json.dumps(weka_doc(requests=[WEKA_REQ]))
+    (folder / "a.json").write_text(doc)
+    with opener(folder / f"b.json.{suffix}", "wt") as f:
+        f.write(doc)
+    assert len(read(folder, "weka")) == 2
+    packed.write_bytes(packed.read_bytes()[:-12])
+    code, _, err = run_cli(["trace", "stats", packed, "--format", "mooncake"], capsys)
+    assert code == 2 and err.startswith(f"kvbench: error: {packed}: damaged ")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_arrivals_past_the_bound_after_time_scale(tmp_path, capsys):
+    """Times that fit their field can still pass the latest arrival once scaled (serve mode
+    keeps int64 microseconds): the request is named."""
+    path = write(tmp_path / "m.jsonl", MOONCAKE_OK, bad(MOONCAKE_OK, timestamp=1e15))
+    assert read(path, "mooncake")[1].arrival_s == 1e12
+    with pytest.raises(InputError, match=r"m.jsonl: request 2 arrives at 1e\+16 s \(after "
+                       r"requests.time_scale 10000\); arrivals must be at most 4e\+12 s"):
+        read(path, "mooncake", time_scale=1e4)
+
+
+def test_deep_nesting_is_bad_input(tmp_path, capsys):
+    """Subagents nest at most 64 deep, and JSON nested past Python's recursion limit is bad
+    input, not a RecursionError."""
+    folder = tmp_path / "w"
+    folder.mkdir()
+    doc = weka_doc(requests=[WEKA_REQ])
+    node = doc
+    for _ in range(65):
+        sub = {"t": 0, "type": "subagent", "requests": [WEKA_REQ]}
+        node["requests"] = node["requests"] + [sub]
+        node = sub
+    (folder / "b.json").write_text(json.dumps(doc))
+    code, _, err = run_cli(["trace", "stats", folder, "--format", "weka"], capsys)
+    assert code == 2 and err.strip() == (f"kvbench: error: {folder / 'b.json'}:1: subagents "
+                                         "nested deeper than 64 levels")
+    (folder / "b.json").write_text('{"requests": ' + "[" * 100000 + "]" * 100000 + "}")
+    code, _, err = run_cli(["trace", "stats", folder, "--format", "weka"], capsys)
+    assert code == 2 and err.strip() == (f"kvbench: error: {folder / 'b.json'}: JSON nested "
+                                         "too deeply for a trace file")
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"hash_ids": ' + "[" * 100000 + "]" * 100000 + "}\n")
+    code, _, err = run_cli(["trace", "stats", path, "--format", "mooncake"], capsys)
+    assert code == 2 and err.strip() == (f"kvbench: error: {path}:1: JSON nested too deeply "
+                                         "for a trace record")
 
 
 def test_csv_unknown_header(tmp_path, capsys):

@@ -48,7 +48,7 @@ def sniff(path: Path) -> tuple[str, str]:
     if first.lstrip().startswith("{"):
         try:
             obj = json.loads(first)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             obj = _whole_json(path)
     if isinstance(obj, dict):
         found = _by_keys(obj)
@@ -64,11 +64,13 @@ def sniff(path: Path) -> tuple[str, str]:
 
 def _whole_json(path: Path):
     """A JSON document spread over lines (one weka conversation file)."""
-    if path.stat().st_size > _WHOLE_JSON_BYTES:
+    with open_binary(path) as f:
+        raw = f.read(_WHOLE_JSON_BYTES + 1)
+    if len(raw) > _WHOLE_JSON_BYTES:
         return None
     try:
-        return json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return None
 
 

@@ -8,7 +8,6 @@ mode runs them as they are and cache mode has nothing to reuse (the runner says 
 from __future__ import annotations
 
 import csv
-import io
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 from kvbench.traffic.mooncake import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH
 from kvbench.traffic.request import Request
 from kvbench.traffic.tracefile import (
+    MAX_TIME_FIELD,
     UNKNOWN_BLOCK_TOKENS,
     BadField,
     ChainedIds,
@@ -48,12 +48,8 @@ class LengthsCsvReader(TraceReader):
         name = str(self.path)
         table = ChainedIds()
         with self._file as f:
-            text = io.TextIOWrapper(f, encoding="utf-8", newline="")
-            rows = csv.reader(text)
-            try:
-                header = next(rows, None)
-            except UnicodeDecodeError:
-                raise fail(name, 1, "not UTF-8 text") from None
+            rows = csv.reader(_lines(f, name))
+            header = next(rows, None)
             if header is None:
                 return
             columns = _columns(name, [h.strip() for h in header])
@@ -62,8 +58,6 @@ class LengthsCsvReader(TraceReader):
             while True:
                 try:
                     row = next(rows, None)
-                except UnicodeDecodeError:
-                    raise fail(name, lineno + 1, "not UTF-8 text") from None
                 except csv.Error as e:
                     raise fail(name, lineno + 1, f"bad CSV: {e}") from None
                 if row is None:
@@ -73,10 +67,9 @@ class LengthsCsvReader(TraceReader):
                     continue
                 try:
                     ts, input_length, output_length = _row(row, columns)
-                    if prev is not None and isinstance(ts, datetime) != isinstance(prev, datetime):
-                        kind = "a date and time" if isinstance(prev, datetime) else "seconds"
+                    if prev is not None and _kind(ts) != _kind(prev):
                         raise BadField(f"'{columns[0][1]}' {row[columns[0][0]].strip()!r}: "
-                                       f"expected {kind} like the rows before")
+                                       f"expected {_kind(prev)} like the rows before")
                     if prev is not None and ts < prev:
                         raise BadField(f"'{columns[0][1]}' {row[columns[0][0]].strip()} is before "
                                        "the previous row's")
@@ -116,19 +109,41 @@ def _row(row: list[str], columns: tuple[tuple[int, str], ...]):
     return ts, input_length, output_length
 
 
+def _lines(f, name: str) -> Iterator[str]:
+    """The file's lines as text, each decoded alone, so a bad byte names its own line (a text
+    wrapper decodes ahead); a BOM before the header is dropped."""
+    for lineno, raw in enumerate(f, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise fail(name, lineno, "not UTF-8 text") from None
+        yield line.removeprefix("\ufeff") if lineno == 1 else line
+
+
+def _kind(ts) -> str:
+    """What a timestamp is, for rows that must agree (an offset needs both with a zone or both
+    without)."""
+    if not isinstance(ts, datetime):
+        return "seconds"
+    return "a date and time without a zone" if ts.tzinfo is None else "a date and time with a zone"
+
+
 def _timestamp(text: str, what: str):
     try:
         value = float(text)
     except ValueError:
         value = None
     if value is not None:
-        if not (value >= 0 and value != float("inf")):
-            raise BadField(f"'{what}' must be a number of seconds >= 0, got {text!r}")
+        if not 0 <= value <= MAX_TIME_FIELD:
+            raise BadField(f"'{what}' must be a number of seconds in [0, {MAX_TIME_FIELD:g}], "
+                           f"got {text!r}")
         return value
     head, dot, frac = text.partition(".")
+    digits = len(frac) - len(frac.lstrip("0123456789"))
     try:
-        # Azure writes 7 fractional digits; datetime takes at most 6.
-        return datetime.fromisoformat(head + (dot + frac[:6] if dot else ""))
+        # Azure writes 7 fractional digits; datetime takes at most 6 (a zone may follow them).
+        return datetime.fromisoformat(head + (dot + frac[:min(digits, 6)] + frac[digits:]
+                                              if dot else ""))
     except ValueError:
         raise BadField(f"'{what}' must be seconds or a date and time, got {text!r}") from None
 

@@ -13,12 +13,13 @@ has, so they share nothing.
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
 import json.decoder
 import json.scanner
+import lzma
 import math
-import os
-import stat
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,10 +29,18 @@ from typing import Any
 import numpy as np
 
 from kvbench.errors import InputError, TraceWarning
+from kvbench.infile import open_input
 
 # Request packs (hash id, prefix end) into one int64 key (`request._END_BITS`); ids stay below.
 MAX_DENSE_ID = (1 << 39) - 1
 MAX_BLOCK_TOKENS = 1 << 20
+MAX_TIME_S = 4e12
+"""The latest arrival, once `requests.time_scale` applies (~127,000 years): serve results keep
+times as int64 microseconds (up to 9.2e12 s), and the run needs room after its last arrival.
+Unix time in milliseconds read as seconds (1.7e12) still fits, with its unit warning."""
+MAX_TIME_FIELD = 1e15
+"""The largest value of a time field, in its own unit: room for Unix time in milliseconds in a
+seconds field, which `requests.time_scale: 0.001` puts right."""
 # Prefix-less prompts (lengths-only traces, AIPerf lines without ids) get fresh ids of this many
 # tokens: one block size per trace keeps `Request.tokens_at` injective.
 UNKNOWN_BLOCK_TOKENS = 512
@@ -51,18 +60,57 @@ def warn(message: str) -> None:
 
 
 def open_binary(path: Path):
-    try:
-        f = open(path, "rb")
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a directory (only requests.format: weka reads a folder)"
-                         ) from None
-    except OSError as e:
-        raise InputError(f"{path}: cannot read trace: {e.strerror or e}") from None
-    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-        # A device or fifo may never end (/dev/zero is one endless line).
-        f.close()
-        raise InputError(f"{path}: cannot read trace: not a regular file")
+    """A trace file opened for reading bytes, decompressed when its first bytes say gzip, bzip2
+    or xz (whatever its name): production traces are often kept compressed."""
+    f = open_input(path, " trace",
+                   directory="is a directory (only requests.format: weka reads a folder)")
+    head = f.peek(len(_XZ_MAGIC))[:len(_XZ_MAGIC)]
+    for magic, kind, opener in _COMPRESSED:
+        if head.startswith(magic):
+            f.close()
+            return _Decompressed(opener(path), path, kind)
     return f
+
+
+_XZ_MAGIC = b"\xfd7zXZ\x00"
+_COMPRESSED = ((b"\x1f\x8b", "gzip", gzip.open), (b"BZh", "bzip2", bz2.open),
+               (_XZ_MAGIC, "xz", lzma.open))
+_CORRUPT = (OSError, EOFError, lzma.LZMAError)
+"""What a decompressor raises on damaged or truncated data (gzip's BadGzipFile is an OSError)."""
+
+
+class _Decompressed:
+    """A decompressing reader whose damaged or truncated data is bad input (one InputError line
+    naming the file), not a crash, wherever a reader meets it."""
+
+    __slots__ = ("_f", "_path", "_kind")
+
+    def __init__(self, f, path: Path, kind: str) -> None:
+        self._f, self._path, self._kind = f, path, kind
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._f.read(size)
+        except _CORRUPT as exc:
+            raise self._corrupt(exc) from None
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            yield from self._f
+        except _CORRUPT as exc:
+            raise self._corrupt(exc) from None
+
+    def _corrupt(self, exc: Exception) -> InputError:
+        return InputError(f"{self._path}: damaged {self._kind} data ({exc})")
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
 
 
 def jsonl_records(path: Path) -> Iterator[tuple[int, dict]]:
@@ -91,6 +139,8 @@ def parse_json_object(raw: bytes) -> dict:
     except json.JSONDecodeError as e:
         # json's own position says "line 1", which would contradict the file line number.
         raise BadField(f"invalid JSON at column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise BadField("JSON nested too deeply for a trace record") from None
     if not isinstance(obj, dict):
         raise BadField(f"expected a JSON object, got {json_type(obj)}")
     return obj
@@ -109,7 +159,7 @@ def load_located_json(path: Path) -> Any:
     with open_binary(path) as f:
         raw = f.read()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # a BOM (Windows editors)
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         raise fail(str(path), line, "not UTF-8 text") from None
@@ -127,6 +177,8 @@ def load_located_json(path: Path) -> Any:
         return decoder.decode(text)
     except json.JSONDecodeError as e:
         raise fail(str(path), e.lineno, f"invalid JSON at column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise InputError(f"{path}: JSON nested too deeply for a trace file") from None
 
 
 # --- fields --------------------------------------------------------------------------------------
@@ -178,10 +230,14 @@ def need_number(obj: dict, key: str, unit: str) -> float:
 
 
 def check_number(key: str, value: Any, unit: str) -> float:
+    """A time in `unit`: a finite number >= 0, at most `MAX_TIME_FIELD` (arrivals are checked
+    against `MAX_TIME_S` once `requests.time_scale` applies)."""
     if type(value) not in (int, float) or not math.isfinite(value):
         raise BadField(f"'{key}' must be a number ({unit}), got {show(value)}")
     if value < 0:
         raise BadField(f"'{key}' must be >= 0, got {value}")
+    if value > MAX_TIME_FIELD:
+        raise BadField(f"'{key}' must be at most {MAX_TIME_FIELD:g}, got {value:g}")
     return value
 
 
@@ -446,6 +502,10 @@ class TraceReader:
             r.id = count
             if scale != 1.0:
                 r.arrival_s *= scale
+            if r.arrival_s > MAX_TIME_S:
+                raise InputError(f"{self.path}: request {count + 1} arrives at "
+                                 f"{r.arrival_s:g} s (after requests.time_scale {scale:g}); "
+                                 f"arrivals must be at most {MAX_TIME_S:g} s")
             count += 1
             self.requests = count
             yield r

@@ -46,12 +46,17 @@ from kvbench.traffic.tracefile import (
 )
 
 _TYPES = ("n", "s", "subagent")
+_CONVERSATION_SUFFIXES = (".json", ".json.gz", ".json.bz2", ".json.xz")
+MAX_SUBAGENT_DEPTH = 64
+"""Subagents inside subagents, at most (each level is a Python frame while reading)."""
 
 
 def conversation_files(path: Path) -> list[Path]:
-    """The JSON files of a weka trace: the folder's `*.json` in name order, or the one file."""
+    """The JSON files of a weka trace: the folder's `*.json` (compressed ones too: `.json.gz`,
+    `.json.bz2`, `.json.xz`) in name order, or the one file."""
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix == ".json" and p.is_file())
+        files = sorted(p for p in path.iterdir() if p.name.endswith(_CONVERSATION_SUFFIXES)
+                       and p.is_file())
         if not files:
             raise InputError(f"{path}: no .json conversation files in this folder")
         return files
@@ -136,8 +141,10 @@ class WekaReader(TraceReader):
             need_list(doc, "requests", "request objects")
         return scope
 
-    def _flatten(self, node: LocatedDict, base: float, name: str, units: UnitCheck):
-        """(absolute offset s, request, model, line) of every request under `node`."""
+    def _flatten(self, node: LocatedDict, base: float, name: str, units: UnitCheck,
+                 depth: int = 0):
+        """(absolute offset s, request, model, line) of every request under `node`, `depth`
+        subagents down."""
         models = node.get("models")
         for req in node["requests"]:
             if not isinstance(req, LocatedDict):
@@ -150,13 +157,16 @@ class WekaReader(TraceReader):
                     raise BadField(f"'type' must be one of \"n\", \"s\", \"subagent\", got "
                                    f"{show(kind)}")
                 if kind == "subagent":
+                    if depth == MAX_SUBAGENT_DEPTH:
+                        raise BadField(f"subagents nested deeper than {MAX_SUBAGENT_DEPTH} "
+                                       "levels")
                     need_list(req, "requests", "request objects")
                     self.subagents += 1
                     sub = LocatedDict(req)
                     sub.line = req.line
                     if models is not None and "models" not in sub:
                         sub["models"] = models
-                    nested = list(self._flatten(sub, base + t, name, units))
+                    nested = list(self._flatten(sub, base + t, name, units, depth + 1))
                     yield from nested
                     continue
                 model = need_str(req, "model") if "model" in req else None

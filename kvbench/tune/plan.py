@@ -182,6 +182,25 @@ def _param(wl: Workload, key: str, entry: SpaceEntry) -> Param:
     return Param(key, "float", entry)
 
 
+def _check_values(job: TuneJob, wl: Workload, p: Param) -> None:
+    """Each choice, and each end of a range, is a value the key takes: applied alone to the
+    workload, as a trial would apply it. Only a complaint about the key itself counts: a value
+    that clashes with another setting may still suit some trials, which are then invalid."""
+    e = p.entry
+    if e.choices is not None:
+        where = [(("tune", "space", p.key, "choices", i), v) for i, v in enumerate(e.choices)]
+    else:
+        where = [(("tune", "space", p.key, end), getattr(e, end)) for end in ("low", "high")]
+    for path, value in where:
+        try:
+            load_workload(job.workload, (*job.sets, f"{p.key}={json.dumps(value)}"))
+        except InputError as exc:
+            prefix = f"--set {p.key}: "
+            if str(exc).startswith(prefix):
+                raise _at(wl, path, f"not a value of {p.key}: "
+                                    f"{str(exc).removeprefix(prefix)}") from None
+
+
 def default_storage(name: str) -> str:
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "study"
     return f"sqlite:///results/{slug}-tune.db"
@@ -223,6 +242,8 @@ def prepare(job: TuneJob) -> Plan:
     if len(set(metrics)) != len(metrics):
         raise _at(wl, ("tune", "objectives"), f"each metric at most once (got {metrics})")
     params = [_param(wl, key, entry) for key, entry in tune.space.items()]
+    for p in params:
+        _check_values(job, wl, p)
     for i, name in enumerate(metrics):
         _check_metric(wl, name, ("tune", "objectives", i, "metric"))
     for i, c in enumerate(tune.parsed_constraints):

@@ -360,7 +360,9 @@ class SpeculativeConfig(Section):
 
     @property
     def enabled(self) -> bool:
-        return self.max_draft_len > 0 or self.draft_model is not None
+        # Reserved tokens alone are speculative decoding too: TensorRT-LLM reserves them for
+        # MTP-style drafting, and a decode step must hold them past its tokens.
+        return self.max_draft_len > 0 or self.draft_model is not None or self.reserved_tokens > 0
 
     @property
     def reserved_tokens(self) -> int:

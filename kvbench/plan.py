@@ -115,6 +115,8 @@ def plan_run(wl: Workload, requests: list[Request] | SpilledTrace) -> RunPlan:
         check_serve_fits(wl, requests, plan.gpu_blocks)
     elif plan.cycles is None:
         check_fits(wl, requests, plan.spec.num_gpu_blocks)
+    if not isinstance(requests, SpilledTrace):  # a streamed trace has no encoder inputs
+        check_cross_fits(wl, requests)
     # A draft model's pools (`cache/mirror.py`) beside the target's; the cross cache takes
     # its share of the same budget.
     pools = plan.pool_bytes()
@@ -210,22 +212,29 @@ def cross_blocks(workload: Workload) -> int:
     return int(c.cross_kv_cache_fraction * (c.max_tokens // c.tokens_per_block))
 
 
-def cross_manager(wl: Workload, requests: list[Request]) -> KVCacheManager | None:
-    """The cross-attention cache for requests' encoder inputs (None when none has one):
-    shared by a sequence's beams, never grown, no host tier; it emits copy ops for the data
-    plane's cross pool when there is one."""
+def check_cross_fits(wl: Workload, requests: list[Request]) -> bool:
+    """Whether requests carry encoder inputs; InputError when the longest one does not fit
+    the cross-attention cache (`cache.cross_kv_cache_fraction`)."""
     longest = max((r.encoder.input_length for r in requests if r.encoder is not None),
                   default=0)
-    if not longest:
-        return None
     c = wl.cache
-    tpb, blocks = c.tokens_per_block, cross_blocks(wl)
-    need = -(-longest // tpb)
+    need, blocks = -(-longest // c.tokens_per_block), cross_blocks(wl)
     if need > blocks:
         raise InputError(
             f"{where(wl)}: cache.cross_kv_cache_fraction: an encoder input of {longest} tokens "
             f"needs {need} cross-attention blocks but the fraction "
             f"({c.cross_kv_cache_fraction}) of cache.max_tokens gives {blocks}")
+    return longest > 0
+
+
+def cross_manager(wl: Workload, requests: list[Request]) -> KVCacheManager | None:
+    """The cross-attention cache for requests' encoder inputs (None when none has one):
+    shared by a sequence's beams, never grown, no host tier; it emits copy ops for the data
+    plane's cross pool when there is one."""
+    if not check_cross_fits(wl, requests):
+        return None
+    c = wl.cache
+    tpb, blocks = c.tokens_per_block, cross_blocks(wl)
     return KVCacheManager(CacheSpec(
         tokens_per_block=tpb, num_gpu_blocks=blocks, enable_block_reuse=c.enable_block_reuse,
         enable_partial_reuse=c.enable_partial_reuse,
@@ -381,8 +390,8 @@ def check_supported(wl: Workload) -> None:
     if sp.enabled:
         if wl.run.mode != "serve" and sp.draft_model is None:
             # Cache mode has no decode steps: only a draft model's cache changes what it does.
-            unsupported.append("speculative decoding without a draft_model outside "
-                               "run.mode: serve")
+            unsupported.append("speculative decoding (speculative.*) without a draft_model "
+                               "outside run.mode: serve")
         if wl.requests.beam_width > 1 or any(w > 1 for w in wl.requests.beam_widths or ()):
             unsupported.append("speculative decoding with beam search (as TensorRT-LLM)")
     if wl.requests.encoder.tokens:

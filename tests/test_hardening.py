@@ -248,6 +248,10 @@ def test_markdown_and_report_outputs_are_checked(tiny, tmp_path, capsys):
      "{w}: cache.max_tokens: request 2 needs 5 blocks"),
     ("run: {mode: serve}\nscheduler: {max_num_tokens: 8, max_batch_size: 16}",
      "{w}: scheduler.max_batch_size (16) exceeds scheduler.max_num_tokens (8)"),
+    ("requests:\n  encoder: {tokens: 100}\n  synthetic: {num_requests: 4, prompt_tokens: 16,"
+     " system_prompt_tokens: 16, output_tokens: 4}",
+     "{w}: cache.cross_kv_cache_fraction: an encoder input of 100 tokens needs 7 "
+     "cross-attention blocks but the fraction (0.0) of cache.max_tokens gives 0"),
 ])
 def test_validate_refuses_what_run_refuses(tmp_path, capsys, extra, expected):
     (tmp_path / "bad.jsonl").write_text(

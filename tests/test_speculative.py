@@ -73,11 +73,12 @@ def serve(requests, *, k=2, rate=0.6, extra=0, draft=False, tpb=4, blocks=40, ho
     return manager, result, records, spec, holds
 
 
-def test_reservation_is_exact_every_step():
-    """tpb 4, a 6-token prompt, k = 2 drafts and 1 extra KV token: the context step leaves
-    the sequence holding 6 + 2 + 1 = 9 tokens (3 blocks); a decode step at position p holds
-    p + 1 + k + 1 tokens (fewer drafts near the end; never less than it held before)."""
-    k, extra = 2, 1
+@pytest.mark.parametrize("k, extra", [(2, 1), (0, 1), (0, 3)])
+def test_reservation_is_exact_every_step(k, extra):
+    """tpb 4, a 6-token prompt, k drafts and `extra` reserved KV tokens (k = 2, extra = 1: the
+    context step leaves the sequence holding 6 + 2 + 1 = 9 tokens, 3 blocks); a decode step at
+    position p holds p + 1 + k + extra tokens (fewer drafts near the end; never less than it
+    held before). Reserved tokens without drafts are held the same way."""
     target = KVCacheManager(CacheSpec(4, 40))
     target.enable_sanity_tracking()
     sched = Scheduler(SchedulerConfig(max_num_tokens=48, max_batch_size=4), 4,
@@ -95,8 +96,8 @@ def test_reservation_is_exact_every_step():
     loop = ServeLoop([req(0, range(6), 12)], target, sched, CLOCK,
                      speculation=Speculation(k, 0.5, extra, 0), on_step=on_step)
     loop.run()
-    assert seen[0] == (None, 0, 9, 3)
-    held = 9
+    held = 6 + k + extra
+    assert seen[0] == (None, 0, held, -(-held // 4))
     for pos, drafts, num_tokens, blocks in seen[1:]:
         assert drafts == min(k, 12 - (pos - 6 + 1) - 1)
         held = max(held, pos + 1 + drafts + extra)
@@ -263,6 +264,17 @@ def test_speculative_workload_keys(tmp_path):
         run_workload(load_workload(path, ["run.mode=cache", "speculative.draft_model=null"]))
     with pytest.raises(InputError, match="beam search"):
         run_workload(load_workload(path, ["requests.beam_width=2"]))
+    # Reserved tokens alone (no drafts) are held past every decode step's token too (a decode
+    # at a block boundary found its sequence already longer: "resize cannot shrink").
+    plain = ["speculative.draft_model=null", "speculative.max_draft_len=0",
+             "speculative.num_extra_kv_tokens=0", "cache.tokens_per_block=4"]
+    (base,) = run_workload(load_workload(path, plain))
+    for extra in ("speculative.num_extra_decoding_steps=1", "speculative.num_extra_kv_tokens=3"):
+        (held,) = run_workload(load_workload(path, [*plain, extra]))
+        h = held.metrics
+        assert h["requests"] == 20 and h["tokens_per_decode_step"] == 1.0
+        assert h["draft_tokens"] == 0 and h["draft_acceptance"] is None
+        assert h["peak_gpu_blocks"] >= base.metrics["peak_gpu_blocks"]
     path.write_text("speculative: {acceptance_rate: 1.5}\n")
     with pytest.raises(InputError, match=r"w.yaml:1:\d+.*speculative.acceptance_rate"):
         load_workload(path)

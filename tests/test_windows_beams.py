@@ -412,6 +412,12 @@ def test_runner_windowed_beams_reservations_and_a_draft_model(tmp_path):
     assert beams.metrics["scratch_slots_peak"] > 0
     (cache,) = run_workload(load_workload(path, ["run.mode=cache"]))
     assert cache.metrics["hit_rate"] > 0
+    # The unlimited cache of the ideal reference holds every beam's own blocks too (one
+    # request of 3 beams once ran it out of blocks).
+    (alone,) = run_workload(load_workload(path, [
+        "run.mode=cache", "requests.beam_widths=null", "requests.beam_width=3",
+        "requests.synthetic.num_requests=1"]))
+    assert alone.metrics["hit_rate"] == alone.metrics["ideal_hit_rate"] == 0
     one_model = ["requests.beam_widths=null", "speculative.max_draft_len=3",
                  "speculative.num_extra_kv_tokens=2"]
     (spec,) = run_workload(load_workload(path, one_model))

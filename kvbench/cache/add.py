@@ -275,7 +275,8 @@ class AddPath:
         else copy its first `n` tokens into a fresh block. Returns the tokens reused."""
         if self._complete_tail(b, n):
             seq.blocks.append(b)  # keeps the claim and its place in the index
-        elif self.ref_count[b] == 1 and b < self.gpu.capacity and not self.index.has_children(b):
+        elif (self.spec.take_partial_in_place and self.ref_count[b] == 1
+              and b < self.gpu.capacity and not self.index.has_children(b)):
             self.index.remove(b)  # its tokens past `n` will be overwritten
             seq.blocks.append(b)
         else:

@@ -53,6 +53,10 @@ class CacheSpec:
     """Reuse the matching leading tokens of a block that matches only in part."""
     copy_on_partial_reuse: bool = True
     """Copy a partially matched block that is in use or has children instead of giving up."""
+    take_partial_in_place: bool = True
+    """Take a free, childless partially matched block itself (TensorRT-LLM: its tokens past
+    the match are overwritten, so it leaves the index); False copies it as if in use, so no
+    stored data is ever lost (the unlimited cache of the ideal reference)."""
     secondary_offload_min_priority: int = 30
     """Evicted GPU blocks below this retention priority are dropped, not offloaded
     (TensorRT-LLM's kDefaultSecondaryOffloadMinPriority)."""

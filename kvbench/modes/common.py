@@ -238,7 +238,9 @@ def ideal_hit_rate(requests: list[Request] | SpilledTrace, plan: RunPlan, *,
     storing its prompt (in serve mode, and its generated blocks) before the next. With sliding
     windows it has the run's life cycles and window rules (a request reuses up to any end
     whose window blocks are stored), keeping every block, so it bounds the run's hit rate:
-    a prefix-only ideal does not (with a window of 1 every end is served). Generated tokens
+    a prefix-only ideal does not (with a window of 1 every end is served). A partial match is
+    copied, never taken in place: replayed one at a time, a request would overwrite a stored
+    block that, in a run, a concurrent one holds and so keeps. Generated tokens
     the traffic does not know are unique to their request, so without windows and without
     known answers only prompts matter and the oracle answers (a spilled trace has none)."""
     spec, cycles = plan.spec, plan.cycles
@@ -253,16 +255,23 @@ def ideal_hit_rate(requests: list[Request] | SpilledTrace, plan: RunPlan, *,
             block_reuse=spec.enable_block_reuse).ideal_hit_rate
     computed = [max(r.input_length, r.stream_length - 1) if serve else r.input_length
                 for r in requests]
+    # Every block each request could hold, each beam's own ones included (beams share only the
+    # full context blocks): nothing is ever evicted.
     unlimited = CacheSpec(
-        tpb, sum(-(-n // tpb) for n in computed) + 1, enable_block_reuse=spec.enable_block_reuse,
+        tpb, sum(-(-n // tpb) * r.beam_width for r, n in zip(requests, computed)) + 1,
+        enable_block_reuse=spec.enable_block_reuse,
         enable_partial_reuse=spec.enable_partial_reuse,
-        copy_on_partial_reuse=spec.copy_on_partial_reuse)
+        copy_on_partial_reuse=spec.copy_on_partial_reuse, take_partial_in_place=False)
+    # Out-of-window blocks stay cached and no scratch slot replaces one: keeping every block
+    # is what makes it a bound (scratch slots and `drop` only store less; a run's chunked
+    # prefill may store blocks a one-step replay with scratch would not).
     manager = (KVCacheManager(unlimited) if cycles is None else
                WindowedCacheManager(list(cycles), [unlimited] * len(cycles)))
     reused = 0
     for r, n in zip(requests, computed):
         seq = manager.add_sequence(r.view(r.input_length) if serve else r)
-        manager.resize(seq, n)
+        fits = manager.resize(seq, n)
+        assert fits, "the unlimited cache ran out of blocks"
         manager.commit(seq, n)
         manager.release(seq)
         reused += seq.reused_tokens

@@ -140,12 +140,18 @@ class PredictivePolicy(ClassQueuePolicy):
         return self._cuts(cls, top, partial), start
 
     def _full_shifts(self) -> list[float]:
-        """Per class: `boost x horizon x p`, made non-decreasing over the classes."""
-        scale = self._scale
-        full = [0.0] * len(self._shift)
+        """Per class: `boost x horizon x p` (`reuse_chance`, inlined: once per release),
+        made non-decreasing over the classes."""
+        p = self.params
+        scale, weight = self._scale, p.prior_weight
+        pseudo = p.prior * weight
+        full = [0.0]
         best = 0.0
-        for c in range(1, len(full)):
-            best = full[c] = max(best, scale * self.reuse_chance(c))
+        for reuses, uses in zip(self.reuses[1:], self.uses[1:]):
+            shift = scale * ((reuses + pseudo) / (uses + weight))
+            if shift > best:
+                best = shift
+            full.append(best)
         return full
 
     def _replay(self, keys: np.ndarray, cls: np.ndarray, stamp: int, full: list[float]) -> None:

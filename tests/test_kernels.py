@@ -89,8 +89,14 @@ def naive_attention(q, k, v, q_pos, k_pos, window):
     return out
 
 
+@pytest.mark.parametrize("chunk", [256, 2])
 @pytest.mark.parametrize("window", [None, 1, 5])
-def test_reference_attention_matches_naive_gqa_with_window(window):
+def test_reference_attention_matches_naive_gqa_with_window(window, chunk, monkeypatch):
+    """Runs of 2 queries read only the keys some query of the run sees (those past the run's
+    last query or before its first one's window are left out, not masked): the same."""
+    from kvbench.kernels import reference
+
+    monkeypatch.setattr(reference, "QUERY_CHUNK", chunk)
     dp = plane(PoolSpec(layers=(0, 1, 2), num_gpu_slots=8, window=window))
     toks = tokens(11, 1)
     first = max(0, 5 - window + 1) // TPB if window else 0

@@ -82,8 +82,17 @@ def attend_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
     tf32 = _tf32_exact(q, k)
     q_base, k_base, hidden_of = _masks(batch, keys, items, nq, window, q.device)
     for i, a, b in _segments(batch, keys, items, G, hq, budget):
-        a, b = a - q_base, b - q_base
         k0, k1 = int(keys.indptr[i]) - k_base, int(keys.indptr[i + 1]) - k_base
+        # An item's keys are its positions from `keys.lo[i]` on, in order: keys past the
+        # run's last query or before its first one's window are hidden from every query of
+        # the run, so they are left out rather than masked (a long prompt's run then reads
+        # its window, not the whole prompt).
+        seen = batch.new_positions[a:b]
+        lo = int(keys.lo[i])
+        k1 = min(k1, k0 + int(seen.max()) + 1 - lo)
+        if window is not None:
+            k0 += max(0, int(seen.min()) - window + 1 - lo)
+        a, b = a - q_base, b - q_base
         Q = qh[:, :, a:b].reshape(G * hk, (b - a) * g, d)
         scores = _bmm(Q, kh[:, :, k0:k1].reshape(G * hk, k1 - k0, d).transpose(1, 2), tf32)
         scores = scores.mul_(d**-0.5).view(G * hk, b - a, g, k1 - k0)

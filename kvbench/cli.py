@@ -179,11 +179,14 @@ def validate(
     requests are loaded (a trace read through) and every cache sized."""
     from .config import load_workload
     from .runner import check_workload
+    from .tune.plan import TuneJob, prepare
 
     for path in workloads:
         wl = load_workload(path, set_ or ())
         _warn(wl)
         check_workload(wl)
+        if wl.tune is not None and not wl.variants:  # what `kvbench tune` would refuse
+            prepare(TuneJob(str(path), tuple(set_ or ())))
         names = ", ".join(name for name, _ in wl.variant_workloads())
         out.print(f"{path}: ok ({wl.run.mode} mode; variants: {names})", highlight=False,
                   markup=False, soft_wrap=True)

@@ -276,6 +276,15 @@ def test_validate_takes_several_files(tiny, tmp_path, capsys):
                                 f"{other}: ok (cache mode; variants: default)"]
 
 
+def test_validate_checks_a_tune_section_as_tune_would(tiny, capsys):
+    tiny.write_text(TINY + "tune:\n  space: {cache.tokens_per_block: {choices: [16, 32]}}\n"
+                    "  objectives: [{metric: hit_rat, direction: maximize}]\n")
+    assert one_error(*run_cli(["validate", tiny], capsys)[::2]).startswith(
+        f"{tiny}:9:25: tune.objectives[0].metric: unknown metric 'hit_rat'; did you mean "
+        "hit_rate")
+    assert run_cli(["run", tiny, "-q"], capsys)[0] == 0  # run ignores the tune section
+
+
 # --- 6. exit 2 with a location -------------------------------------------------------------------
 
 

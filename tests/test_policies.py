@@ -14,7 +14,7 @@ from kvbench.cache.policies import (POLICIES, POLICY_NAMES, GDSFParams, LRU2Para
                                     PredictiveParams, S3FIFOParams, SLRUParams)
 from kvbench.cache.policies import base as policy_base
 from kvbench.cache.ids import Retention, TokenRangeRetention
-from kvbench.cache.policies.predictive import SHARES, _Shadow
+from kvbench.cache.policies.predictive import _Shadow
 from kvbench.cache.policies.segments import GhostKeys, spread_key
 from kvbench.traffic.request import Request
 from strategies import related_prompts
@@ -74,11 +74,12 @@ class RefScored(_Ref):
             self.horizon = int(params.horizon_ratio * capacity)
             self.sampling = params.shadow_sampling
             self.scap = max(1, capacity // self.sampling) if self.sampling else 0
-            self.shadows = [{} for _ in SHARES]  # per share: key -> (stamp, class, order)
+            # LRU order and the boosted one: key -> (stamp, class, order)
+            self.shadows = [{}, {}]
             self.s_order = 0
-            self.hits = [0] * len(SHARES)
+            self.hits = [0, 0]
             self.halve_at = self.hcap
-            self.share = 1.0
+            self.boosting = True
             self.bkey = None
         else:
             self.w = int(params.freq_weight * 1024)
@@ -107,16 +108,17 @@ class RefScored(_Ref):
                 best = full[c] = max(best, p.boost * self.horizon * chance)
             if self.sampling:
                 self._shadows(blocks, list(reversed(classes)), stamp, full)
-            self.shift = [int(self.share * f) for f in full]
+            self.shift = [int(f) if self.boosting else 0 for f in full]
         for b, c in zip(blocks, reversed(classes)):
             self._push(b, level, cls=c, stamp=stamp)
 
     def _shadows(self, blocks, classes, stamp, full):
-        """Each share's shadow: sampled keys inserted deepest first, then the lowest (stamp +
-        share x full shift, class, insertion order) evicted while over capacity."""
+        """The LRU and the boosted shadow: sampled keys inserted deepest first, then the
+        lowest (stamp + shift, class, insertion order) evicted while over capacity, the shift
+        0 in the LRU one; the boost applies while its shadow held at least as many."""
         sampled = [(self.key(b), c) for b, c in zip(blocks, classes)
                    if self.bkey(self.key(b)) % 65521 % self.sampling == 0]
-        for i, (share, shadow) in enumerate(zip(SHARES, self.shadows)):
+        for i, (share, shadow) in enumerate(zip((0, 1), self.shadows)):
             self.hits[i] += sum(k in shadow for k, _ in sampled)
             for k, c in sampled:
                 self.s_order += 1
@@ -128,8 +130,7 @@ class RefScored(_Ref):
         while self.clock >= self.halve_at:
             self.hits = [h // 2 for h in self.hits]
             self.halve_at += self.hcap
-        top = max(self.hits)
-        self.share = max(sh for sh, h in zip(SHARES, self.hits) if h == top)
+        self.boosting = self.hits[1] >= self.hits[0]
 
     def score(self, s):
         if self.name == "predictive":
@@ -980,6 +981,6 @@ def test_predictive_shadows_fall_back_to_lru_when_it_holds_more():
     for sampling in (0, 1):
         hits[sampling], lru_requests = _against_reference(
             "predictive", PredictiveParams(shadow_sampling=sampling), prompts,
-            lambda policy: policy.share == 0.0)
+            lambda policy: not policy.boosting)
         assert (lru_requests > 0) == (sampling > 0)
     assert hits[1] > hits[0]

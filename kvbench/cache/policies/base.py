@@ -58,6 +58,14 @@ SAMPLE_PRIME = np.array(65521, np.int64)
 """Shadow caches take the keys with `key % prime % sampling == 0`: block keys of a trace are
 structured ints (hash id and offset), so their low bits alone would sample unevenly."""
 
+
+def shadow_sampling(capacity: int, sampling: int) -> tuple[int, np.ndarray | None]:
+    """The capacity of a pool's shadow caches fed one key in `sampling` (0: no shadows), and
+    whether a key is sampled, by `key % SAMPLE_PRIME` (one lookup for two remainders)."""
+    if not sampling:
+        return 0, None
+    return max(1, capacity // sampling), np.arange(int(SAMPLE_PRIME)) % sampling == 0
+
 DICT_HISTORY_MAX = 1 << 15
 """The largest `KeyHistory` capacity kept in a dict (at most twice that many keys: a few MB,
 which stays in the CPU caches); larger ones use the numpy table."""
@@ -499,14 +507,13 @@ class ClassQueuePolicy:
     # --- for subclasses -------------------------------------------------------------------
 
     @staticmethod
-    def _cuts(classes: np.ndarray, top: int, partial: bool) -> list[tuple[int, int]]:
+    def _cuts(caps: np.ndarray, top: int, partial: bool) -> list[tuple[int, int]]:
         """`_classify`'s cuts for the classes of a chain's full blocks (shallowest first),
-        each capped at its parent's (a running minimum from `top`); a partial block after
-        them takes class 1."""
+        `caps`: each already capped at its parent's (`np.minimum.accumulate` of the classes,
+        all at most `top`); a partial block after them takes class 1."""
         cuts = [(0, top)]
         last = top
-        if classes.size:
-            caps = np.minimum.accumulate(classes)
+        if caps.size:
             first, last = caps.item(0), caps.item(-1)
             if first < top:
                 cuts.append((0, first))
@@ -520,7 +527,7 @@ class ClassQueuePolicy:
                         cuts.append((at, c))
                         at += counts[c]
         if partial and last > 1:
-            cuts.append((classes.size, 1))
+            cuts.append((caps.size, 1))
         return cuts
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:

@@ -63,7 +63,7 @@ class GDSFPolicy(ClassQueuePolicy):
         start = hist.clock
         hist.clock = start + keys.size + partial  # a partial block ticks, unremembered
         hist.store(keys, slots, tick_entries(start, keys.size) | freq, earlier)
-        return self._cuts(freq, top, partial), self.inflation
+        return self._cuts(np.minimum.accumulate(freq), top, partial), self.inflation
 
     def _now(self) -> int:
         return self.inflation

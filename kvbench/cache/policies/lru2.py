@@ -72,7 +72,7 @@ from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import (SAMPLE_PRIME, TICK_SHIFT, KeyHistory, LRUShadow, chain_keys,
-                   tick_entries)
+                   shadow_sampling, tick_entries)
 
 _LEVEL_BITS = 7
 _LEVEL_MASK = (1 << _LEVEL_BITS) - 1
@@ -141,10 +141,7 @@ class LRU2Policy:
         self._in_runs = [0] * NUM_PRIORITY_LEVELS
         self._nonempty = 0
         self._size = 0
-        n = params.shadow_sampling
-        self._shadow_cap = max(1, capacity // n) if n else 0
-        self._sampled = np.arange(int(SAMPLE_PRIME)) % n == 0 if n else None
-        """Whether a key is sampled, by `key % prime` (one lookup for two remainders)."""
+        self._shadow_cap, self._sampled = shadow_sampling(capacity, params.shadow_sampling)
         self._shadow_lru = LRUShadow()
         self._shadow_lru2: dict = {}
         """Sampled key -> the insertion order of its live entry in `_shadow_runs`."""

@@ -42,12 +42,10 @@ import numpy as np
 from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import (LOW_BYTE, SAMPLE_PRIME, ClassQueuePolicy, KeyHistory, LRUShadow,
-                   chain_keys, tick_entries)
+                   chain_keys, shadow_sampling, tick_entries)
 
-SHARES = (0.0, 1.0)
-"""The shares of the boost the shadow caches try: LRU order and the whole boost (a third
-shadow at 1/8, tried on the shipped traces and on agent-like traffic, gained at most 0.06 pp
-and slowed the replay by a fifth)."""
+# A third shadow at 1/8 of the boost, tried on the shipped traces and on agent-like traffic,
+# gained at most 0.06 pp and slowed the replay by a fifth: the choice is all or nothing.
 _consume = deque(maxlen=0).extend
 """Runs an iterator to its end at C speed (the shadows' deletions)."""
 
@@ -73,9 +71,9 @@ class PredictiveParams:
 
 
 class PredictivePolicy(ClassQueuePolicy):
-    __slots__ = ("params", "history", "uses", "reuses", "shadow_hits", "share", "_horizon",
-                 "_scale", "_shift", "_next_class", "_shadows", "_shadow_cap", "_sampled",
-                 "_halve_at")
+    __slots__ = ("params", "history", "uses", "reuses", "shadow_hits", "boosting", "_horizon",
+                 "_scale", "_shift", "_no_shift", "_next_class", "_shadow_lru", "_shadow_boost",
+                 "_shadow_cap", "_sampled", "_halve_at")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: PredictiveParams) -> None:
@@ -90,25 +88,20 @@ class PredictivePolicy(ClassQueuePolicy):
         self._next_class = np.minimum(np.arange(256) + 1, params.max_class)
         """A use's class by the uses remembered before it (0: not remembered)."""
         self._scale = params.boost * self._horizon
-        self._shift = [0] * (params.max_class + 1)
-        """Per class: `share x boost x horizon x p` (an int), non-decreasing over the classes."""
-        self.share = 1.0
-        """The share of the boost the pool applies now (one of `SHARES`: 0 is LRU order)."""
-        self.shadow_hits = [0] * len(SHARES)
-        """Sampled keys each share's shadow held when used, halved every history period."""
-        n = params.shadow_sampling
-        self._shadow_cap = max(1, capacity // n) if n else 0
-        self._sampled = np.arange(int(SAMPLE_PRIME)) % n == 0 if n else None
-        self._shadows = ([LRUShadow()] + [_Shadow(params.max_class + 1) for _ in SHARES[1:]]
-                         if n else [])
-        """One per share; share 0 is LRU order (a stamp's keys deepest first), so a plain LRU
-        shadow."""
+        self._no_shift = [0] * (params.max_class + 1)
+        self._shift = self._no_shift
+        """Per class: `boost x horizon x p` (an int), non-decreasing over the classes, while
+        `boosting`; else all 0 (LRU order)."""
+        self.boosting = True
+        """Whether the pool applies the boost now (False: LRU order)."""
+        self.shadow_hits = [0, 0]
+        """Sampled keys the LRU and the boosted shadow held when used, halved every history
+        period."""
+        self._shadow_cap, self._sampled = shadow_sampling(capacity, params.shadow_sampling)
+        # LRU order is a stamp's keys deepest first: a plain LRU shadow.
+        self._shadow_lru = LRUShadow()
+        self._shadow_boost = _Shadow(params.max_class + 1)
         self._halve_at = self.history.capacity
-
-    def reuse_chance(self, cls: int) -> float:
-        """The learnt chance that a use of class `cls` is followed by another soon."""
-        p = self.params
-        return (self.reuses[cls] + p.prior * p.prior_weight) / (self.uses[cls] + p.prior_weight)
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
         hist = self.history
@@ -132,36 +125,38 @@ class PredictivePolicy(ClassQueuePolicy):
         self.reuses = [a + b for a, b in zip(self.reuses, soon)]
         self.uses = [a + b for a, b in zip(self.uses, used.tolist())]
         hist.store(keys, slots, tick_entries(start, n) | cls, earlier)
-        full = self._full_shifts()
+        caps = np.minimum.accumulate(cls)  # none above its parent's
+        boosted = self._boosted_shifts()
         if self._shadow_cap:
-            self._replay(keys, cls, start, full)
-        share = self.share
-        self._shift = [int(share * f) for f in full]
-        return self._cuts(cls, top, partial), start
+            self._replay(keys, caps, start, boosted)
+        self._shift = boosted if self.boosting else self._no_shift
+        return self._cuts(caps, top, partial), start
 
-    def _full_shifts(self) -> list[float]:
-        """Per class: `boost x horizon x p` (`reuse_chance`, inlined: once per release),
-        made non-decreasing over the classes."""
+    def _boosted_shifts(self) -> list[int]:
+        """Per class: `boost x horizon x p`, `p` the learnt chance that a use of the class is
+        followed by another within the horizon (smoothed towards the prior), made
+        non-decreasing over the classes."""
         p = self.params
         scale, weight = self._scale, p.prior_weight
         pseudo = p.prior * weight
-        full = [0.0]
+        shifts = [0]
         best = 0.0
         for reuses, uses in zip(self.reuses[1:], self.uses[1:]):
             shift = scale * ((reuses + pseudo) / (uses + weight))
             if shift > best:
                 best = shift
-            full.append(best)
-        return full
+            shifts.append(int(best))
+        return shifts
 
-    def _replay(self, keys: np.ndarray, cls: np.ndarray, stamp: int, full: list[float]) -> None:
-        """Replay a release's sampled keys (`keys` shallowest first, `cls` their classes before
-        capping) against every share's shadow; halve the counts every history period and
-        apply the share whose shadow held the most (the largest on a tie)."""
+    def _replay(self, keys: np.ndarray, caps: np.ndarray, stamp: int, boosted: list[int]
+                ) -> None:
+        """Replay a release's sampled keys (`keys` shallowest first, `caps` their capped
+        classes) against the LRU and the boosted shadow; halve the counts every history
+        period and apply the boost while its shadow held at least as many."""
         picked = self._sampled[keys % SAMPLE_PRIME]
         if np.count_nonzero(picked):
             sampled = keys[picked][::-1].tolist()  # deepest first, as the pool's pushes
-            caps = np.minimum.accumulate(cls)[picked]
+            caps = caps[picked]
             # Runs of one class, deepest first: the capped classes fall from the root, so
             # each present class's keys follow those of the classes below it.
             counts = np.bincount(caps).tolist()
@@ -172,28 +167,22 @@ class PredictivePolicy(ClassQueuePolicy):
                     at += k
             hits = self.shadow_hits
             cap = self._shadow_cap
-            shadows = self._shadows
-            hits[0] += shadows[0].replay(sampled, cap)
-            for i in range(1, len(SHARES)):
-                share = SHARES[i]
-                hits[i] += shadows[i].replay(sampled, runs, stamp,
-                                             [int(share * f) for f in full], cap)
+            hits[0] += self._shadow_lru.replay(sampled, cap)
+            hits[1] += self._shadow_boost.replay(sampled, runs, stamp, boosted, cap)
         clock = self.history.clock
         while clock >= self._halve_at:
             self.shadow_hits = [h >> 1 for h in self.shadow_hits]
             self._halve_at += self.history.capacity
-        hits = self.shadow_hits
-        top = max(hits)
-        self.share = SHARES[len(hits) - 1 - hits[::-1].index(top)]
+        self.boosting = self.shadow_hits[1] >= self.shadow_hits[0]
 
     def _now(self) -> int:
         return self.history.clock
 
     def _check_sanity(self) -> bool:
         cap = self._shadow_cap
-        assert self.share in SHARES
-        assert all(len(shadow) <= cap for shadow in self._shadows)
-        assert all(shadow._check_sanity() for shadow in self._shadows[1:])  # [0]: LRU
+        assert len(self._shadow_lru) <= cap and len(self._shadow_boost) <= cap
+        assert self._shadow_boost._check_sanity()
+        assert self.boosting or self._shift is self._no_shift
         return super()._check_sanity()
 
     def _head_scores(self, classes: list[int], stamps: list[int]) -> list[int]:
@@ -205,10 +194,10 @@ class PredictivePolicy(ClassQueuePolicy):
 
 
 class _Shadow:
-    """A shadow cache of sampled keys: the pool's order (per class a FIFO of runs, the head
-    with the lowest `stamp + shift` leaves first, the lower class on a tie) at one share of
-    the boost, trimmed to its capacity after each release. It sees keys, not chains (a
-    sampled key can hit after its parent left): an estimate of that share's hit rate."""
+    """A shadow cache of sampled keys in the pool's order (per class a FIFO of runs, the head
+    with the lowest `stamp + shift` leaves first, the lower class on a tie), trimmed to its
+    capacity after each release. It sees keys, not chains (a sampled key can hit after its
+    parent left): an estimate of that order's hit rate."""
 
     __slots__ = ("live", "runs", "order", "entries")
 

@@ -23,7 +23,7 @@ replayed against two shadow caches of the pool's size scaled by that rate, one i
 one in this policy's order with the whole boost. Each counts the sampled keys it held when
 used; the counts halve every history period (`history_ratio` pool sizes of released blocks),
 and the pool applies the boost while its shadow holds at least as many as the LRU one, LRU
-order (a share of 0) otherwise. Both shadows are kept up to date, so switching is immediate.
+order otherwise (`boosting`). Both shadows are kept up to date, so switching is immediate.
 
 Prefix trees: a block's class is capped at its parent's (from the same release) and `p` is
 made non-decreasing over the classes (a running maximum), so a child never outranks its parent

@@ -971,6 +971,21 @@ def test_predictive_shadow_matches_brute_force(releases, cap, compact):
         assert list(zero.live) and set(zero.live) == set(lru.keys)
 
 
+def test_shadow_duel_halves_counts_each_period_and_favours_the_policy_on_a_tie():
+    """The counts halve once per period passed (several at once after a long release), and
+    the policy's own order leads while its count is at least LRU's."""
+    duel = policy_base.ShadowDuel(capacity=80, sampling=8, period=100)
+    assert duel.capacity == 10 and duel.sampled.sum() == -(-65521 // 8)
+    assert duel.own_leads(0)  # 0 against 0
+    duel.hits = [9, 8]
+    assert not duel.own_leads(99) and duel.hits == [9, 8]
+    assert duel.own_leads(100) and duel.hits == [4, 4]  # a tie after halving
+    duel.hits = [40, 7]
+    assert not duel.own_leads(350) and duel.hits == [10, 1]  # periods at 200 and 300
+    assert not duel.own_leads(400) and duel.hits == [5, 0]
+    assert policy_base.ShadowDuel(capacity=3, sampling=8, period=1).capacity == 1
+
+
 def test_predictive_shadows_fall_back_to_lru_when_it_holds_more():
     """Short sessions, six at a time: with the boost, prefixes of finished sessions (used more)
     outstay the new turns' blocks (44 hits against LRU's 54). The LRU shadow sees more hits, so

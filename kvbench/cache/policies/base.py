@@ -59,13 +59,6 @@ SAMPLE_PRIME = np.array(65521, np.int64)
 structured ints (hash id and offset), so their low bits alone would sample unevenly."""
 
 
-def shadow_sampling(capacity: int, sampling: int) -> tuple[int, np.ndarray | None]:
-    """The capacity of a pool's shadow caches fed one key in `sampling` (0: no shadows), and
-    whether a key is sampled, by `key % SAMPLE_PRIME` (one lookup for two remainders)."""
-    if not sampling:
-        return 0, None
-    return max(1, capacity // sampling), np.arange(int(SAMPLE_PRIME)) % sampling == 0
-
 DICT_HISTORY_MAX = 1 << 15
 """The largest `KeyHistory` capacity kept in a dict (at most twice that many keys: a few MB,
 which stays in the CPU caches); larger ones use the numpy table."""
@@ -394,6 +387,33 @@ class LRUShadow:
             for k in list(islice(lru, over)):
                 del lru[k]
         return held
+
+
+class ShadowDuel:
+    """Which of two orders suits the traffic, by miniature simulations (Waldspurger et al.,
+    USENIX ATC'17): one key in `sampling` (by `key % SAMPLE_PRIME`) is replayed against an LRU
+    shadow and a shadow of the policy's own order, each of the pool's capacity over the same
+    rate. `hits` counts the sampled keys each held when used (LRU's first); the counts halve
+    every `period` ticks, so the comparison follows the traffic, not its whole past."""
+
+    __slots__ = ("capacity", "sampled", "lru", "hits", "_period", "_halve_at")
+
+    def __init__(self, capacity: int, sampling: int, period: int) -> None:
+        self.capacity = max(1, capacity // sampling)
+        self.sampled = np.arange(int(SAMPLE_PRIME)) % sampling == 0
+        """Whether a key is sampled, by its remainder (one lookup for two remainders)."""
+        self.lru = LRUShadow()
+        self.hits = [0, 0]
+        self._period = period
+        self._halve_at = period
+
+    def own_leads(self, clock: int) -> bool:
+        """Whether the policy's own shadow held at least as many sampled keys as the LRU
+        shadow, the counts halved for every period up to `clock`."""
+        while clock >= self._halve_at:
+            self.hits = [h >> 1 for h in self.hits]
+            self._halve_at += self._period
+        return self.hits[1] >= self.hits[0]
 
 
 class ClassQueuePolicy:

@@ -71,8 +71,7 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import (SAMPLE_PRIME, TICK_SHIFT, KeyHistory, LRUShadow, chain_keys,
-                   shadow_sampling, tick_entries)
+from .base import SAMPLE_PRIME, TICK_SHIFT, KeyHistory, ShadowDuel, chain_keys, tick_entries
 
 _LEVEL_BITS = 7
 _LEVEL_MASK = (1 << _LEVEL_BITS) - 1
@@ -101,11 +100,10 @@ class LRU2Policy:
     (rank 0: one use only), ties in push order; or the least recently used block while the
     LRU shadow holds more of the sampled keys."""
 
-    __slots__ = ("index", "capacity", "params", "history", "use_lru2", "shadow_hits",
-                 "_tag", "_tags", "_rank", "_ranks", "_pushed", "_live", "_fifo", "_in_fifo",
-                 "_fifo_off", "_runs", "_in_runs", "_nonempty", "_size", "_shadow_lru",
-                 "_shadow_lru2", "_shadow_runs", "_in_shadow_runs", "_shadow_cap",
-                 "_shadow_order", "_halve_at", "_sampled")
+    __slots__ = ("index", "capacity", "params", "history", "use_lru2", "shadows", "_tag",
+                 "_tags", "_rank", "_ranks", "_pushed", "_live", "_fifo", "_in_fifo",
+                 "_fifo_off", "_runs", "_in_runs", "_nonempty", "_size", "_shadow_lru2",
+                 "_shadow_runs", "_in_shadow_runs", "_shadow_order")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: LRU2Params) -> None:
@@ -115,8 +113,10 @@ class LRU2Policy:
         self.history = KeyHistory(int(params.history_ratio * capacity))
         self.use_lru2 = True
         """The order victims are taken in now (False: LRU)."""
-        self.shadow_hits = [0, 0]
-        """Sampled keys the LRU and the LRU-2 shadow held when used, halved every period."""
+        self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity)
+                        if params.shadow_sampling else None)
+        """The LRU shadow and both shadows' counts (the LRU-2 shadow is kept here); None:
+        always LRU-2."""
         # Each per-block int array has a numpy view: one element at a time through the array
         # (a Python int, no numpy scalar), a push or a run at once through the view.
         self._tag = array("q", bytes(8 * id_space))
@@ -141,8 +141,6 @@ class LRU2Policy:
         self._in_runs = [0] * NUM_PRIORITY_LEVELS
         self._nonempty = 0
         self._size = 0
-        self._shadow_cap, self._sampled = shadow_sampling(capacity, params.shadow_sampling)
-        self._shadow_lru = LRUShadow()
         self._shadow_lru2: dict = {}
         """Sampled key -> the insertion order of its live entry in `_shadow_runs`."""
         self._shadow_runs: list[list] = []
@@ -150,7 +148,6 @@ class LRU2Policy:
         keys of one rank, in insertion order, the first `next` of them gone."""
         self._in_shadow_runs = 0
         self._shadow_order = 0
-        self._halve_at = self.history.capacity
 
     def __len__(self) -> int:
         return self._size
@@ -179,13 +176,14 @@ class LRU2Policy:
                               out=ranks[:0:-1] if partial else ranks[::-1])
         hist.clock = clock + n
         hist.store(known, slots, tick_entries(clock, known.size), earlier)
-        if self._shadow_cap:  # the sampled keys (a partial block has none) and their ranks
+        duel = self.shadows
+        if duel:  # the sampled keys (a partial block has none) and their ranks
             deep = known[::-1]  # deepest first, as the pool's pushes
-            picked = self._sampled[deep % SAMPLE_PRIME]  # a mask: no index array to make
+            picked = duel.sampled[deep % SAMPLE_PRIME]  # a mask: no index array to make
             keys = deep[picked].tolist()
             if keys:
-                self._shadow(keys, ranks[partial:][picked].tolist())
-            self._choose()
+                self._shadow(duel, keys, ranks[partial:][picked].tolist())
+            self.use_lru2 = duel.own_leads(hist.clock)
         self._push_ranked(blocks, ranks, priority)
 
     def push_back(self, block: BlockId, priority: int) -> None:
@@ -376,13 +374,13 @@ class LRU2Policy:
         self._nonempty &= ~(1 << lv)
         self._fifo_off &= ~(1 << lv)  # an empty FIFO is exact
 
-    def _shadow(self, keys: list, ranks: list[int]) -> None:
+    def _shadow(self, duel: ShadowDuel, keys: list, ranks: list[int]) -> None:
         """Replay a release's sampled keys with their ranks (deepest first, as the pool's
         pushes) against both shadows, trimming each to its capacity after the release."""
-        hits = self.shadow_hits
+        hits = duel.hits
         lru2 = self._shadow_lru2
-        cap = self._shadow_cap
-        hits[0] += self._shadow_lru.replay(keys, cap)
+        cap = duel.capacity
+        hits[0] += duel.lru.replay(keys, cap)
         # LRU-2: entries in (rank, insertion order); a key used again has a new live entry
         # (its old one goes stale), so the keys it held already are those it does not add.
         n = len(keys)
@@ -434,14 +432,6 @@ class LRU2Policy:
         self._shadow_runs = runs
         self._in_shadow_runs = len(self._shadow_lru2)
 
-    def _choose(self) -> None:
-        """Halve the shadows' counts every history period; evict in the order that leads."""
-        clock = self.history.clock
-        while clock >= self._halve_at:
-            self.shadow_hits = [h >> 1 for h in self.shadow_hits]
-            self._halve_at += self.history.capacity
-        self.use_lru2 = self.shadow_hits[1] >= self.shadow_hits[0]
-
     def _check_sanity(self) -> bool:
         tag, rank = self._tag, self._rank
         queued = [b for b, t in enumerate(tag) if t]
@@ -470,9 +460,9 @@ class LRU2Policy:
                 assert all(rank[b] == key >> _KEY_SHIFT for b in current)
                 in_runs += current
             assert entries == self._in_runs[lv] and sorted(in_runs) == live
-        cap = self._shadow_cap
-        lru2 = self._shadow_lru2
-        assert len(self._shadow_lru) <= cap and len(lru2) <= cap
+        duel, lru2 = self.shadows, self._shadow_lru2
+        assert (len(duel.lru) <= duel.capacity and len(lru2) <= duel.capacity if duel
+                else not lru2)
         entries = [(x, o) for _, orders, keys, k in self._shadow_runs
                    for o, x in zip(orders[k:], keys[k:])]
         assert len(entries) == self._in_shadow_runs

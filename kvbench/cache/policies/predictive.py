@@ -41,8 +41,8 @@ import numpy as np
 
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import (LOW_BYTE, SAMPLE_PRIME, ClassQueuePolicy, KeyHistory, LRUShadow,
-                   chain_keys, shadow_sampling, tick_entries)
+from .base import (LOW_BYTE, SAMPLE_PRIME, ClassQueuePolicy, KeyHistory, ShadowDuel,
+                   chain_keys, tick_entries)
 
 # A third shadow at 1/8 of the boost, tried on the shipped traces and on agent-like traffic,
 # gained at most 0.06 pp and slowed the replay by a fifth: the choice is all or nothing.
@@ -71,9 +71,8 @@ class PredictiveParams:
 
 
 class PredictivePolicy(ClassQueuePolicy):
-    __slots__ = ("params", "history", "uses", "reuses", "shadow_hits", "boosting", "_horizon",
-                 "_scale", "_shift", "_no_shift", "_next_class", "_shadow_lru", "_shadow_boost",
-                 "_shadow_cap", "_sampled", "_halve_at")
+    __slots__ = ("params", "history", "uses", "reuses", "shadows", "boosting", "_horizon",
+                 "_scale", "_shift", "_no_shift", "_next_class", "_shadow_boost")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  params: PredictiveParams) -> None:
@@ -94,14 +93,12 @@ class PredictivePolicy(ClassQueuePolicy):
         `boosting`; else all 0 (LRU order)."""
         self.boosting = True
         """Whether the pool applies the boost now (False: LRU order)."""
-        self.shadow_hits = [0, 0]
-        """Sampled keys the LRU and the boosted shadow held when used, halved every history
-        period."""
-        self._shadow_cap, self._sampled = shadow_sampling(capacity, params.shadow_sampling)
-        # LRU order is a stamp's keys deepest first: a plain LRU shadow.
-        self._shadow_lru = LRUShadow()
+        # LRU order is a stamp's keys deepest first: the duel's plain LRU shadow.
+        self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity)
+                        if params.shadow_sampling else None)
+        """The LRU shadow and both shadows' counts (the boosted shadow is `_shadow_boost`);
+        None: always the boost."""
         self._shadow_boost = _Shadow(params.max_class + 1)
-        self._halve_at = self.history.capacity
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
         hist = self.history
@@ -127,8 +124,8 @@ class PredictivePolicy(ClassQueuePolicy):
         hist.store(keys, slots, tick_entries(start, n) | cls, earlier)
         caps = np.minimum.accumulate(cls)  # none above its parent's
         boosted = self._boosted_shifts()
-        if self._shadow_cap:
-            self._replay(keys, caps, start, boosted)
+        if self.shadows:
+            self._replay(self.shadows, keys, caps, start, boosted)
         self._shift = boosted if self.boosting else self._no_shift
         return self._cuts(caps, top, partial), start
 
@@ -148,12 +145,12 @@ class PredictivePolicy(ClassQueuePolicy):
             shifts.append(int(best))
         return shifts
 
-    def _replay(self, keys: np.ndarray, caps: np.ndarray, stamp: int, boosted: list[int]
-                ) -> None:
+    def _replay(self, duel: ShadowDuel, keys: np.ndarray, caps: np.ndarray, stamp: int,
+                boosted: list[int]) -> None:
         """Replay a release's sampled keys (`keys` shallowest first, `caps` their capped
         classes) against the LRU and the boosted shadow; halve the counts every history
         period and apply the boost while its shadow held at least as many."""
-        picked = self._sampled[keys % SAMPLE_PRIME]
+        picked = duel.sampled[keys % SAMPLE_PRIME]
         if np.count_nonzero(picked):
             sampled = keys[picked][::-1].tolist()  # deepest first, as the pool's pushes
             caps = caps[picked]
@@ -165,22 +162,19 @@ class PredictivePolicy(ClassQueuePolicy):
                 if k:
                     runs.append((c, at, at + k))
                     at += k
-            hits = self.shadow_hits
-            cap = self._shadow_cap
-            hits[0] += self._shadow_lru.replay(sampled, cap)
+            hits = duel.hits
+            cap = duel.capacity
+            hits[0] += duel.lru.replay(sampled, cap)
             hits[1] += self._shadow_boost.replay(sampled, runs, stamp, boosted, cap)
-        clock = self.history.clock
-        while clock >= self._halve_at:
-            self.shadow_hits = [h >> 1 for h in self.shadow_hits]
-            self._halve_at += self.history.capacity
-        self.boosting = self.shadow_hits[1] >= self.shadow_hits[0]
+        self.boosting = duel.own_leads(self.history.clock)
 
     def _now(self) -> int:
         return self.history.clock
 
     def _check_sanity(self) -> bool:
-        cap = self._shadow_cap
-        assert len(self._shadow_lru) <= cap and len(self._shadow_boost) <= cap
+        duel, boost = self.shadows, self._shadow_boost
+        assert (len(duel.lru) <= duel.capacity and len(boost) <= duel.capacity if duel
+                else not len(boost))
         assert self._shadow_boost._check_sanity()
         assert self.boosting or self._shift is self._no_shift
         return super()._check_sanity()

@@ -137,7 +137,10 @@ def test_bailian(tmp_path):
     assert_matches_brute_force(reqs, expand([(None, ids, n) for _, n, ids in rows]))
 
 
-def test_servegen_images_keep_equal_text_apart(tmp_path):
+def test_servegen_equal_ids_share_whatever_the_images(tmp_path):
+    # The release's own example (data/offline/README.md): two captioning requests with
+    # different images share their first 23 blocks, "a common 368-token prefix whose KV cache
+    # can be reused".
     rows = [(10, [1, 2, 3], [5]), (10, [1, 2, 3], [6]), (10, [1, 2, 3], []),
             (12, [1, 2, 4], [5]), (9, [1, 2, 3], [])]
     path = write(tmp_path / "s.jsonl", *(
@@ -148,8 +151,28 @@ def test_servegen_images_keep_equal_text_apart(tmp_path):
     assert all(r.output_length == 9 for r in reqs)
     arrivals = [r.arrival_s for r in reqs]
     assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
-    assert_matches_brute_force(reqs, expand([(tuple(im), ids, n) for n, ids, im in rows]))
-    assert reference_hit_rates(reqs[:2], B, None, partial_reuse=False).ideal_reused_tokens == 0
+    assert_matches_brute_force(reqs, expand([(None, ids, n) for n, ids, _ in rows]))
+    assert reference_hit_rates(reqs[:2], B, None, partial_reuse=False).ideal_reused_tokens == 8
+
+
+def test_servegen_stat_traces(tmp_path, capsys):
+    # data/offline/trace_d.jsonl: lengths and durations, no hash_ids; sniffed as ServeGen.
+    path = write(tmp_path / "trace_d.jsonl",
+                 {"request_id": 0, "type": "text", "input_length": 61, "output_length": 2370,
+                  "duration": 14000},
+                 {"request_id": 1, "type": "text", "input_length": 54, "output_length": 2031,
+                  "duration": 11630})
+    assert sniff(path)[0] == "servegen"
+    reader = open_trace(path, "auto", TraceOptions(output_length=7))
+    reqs = list(reader)
+    assert [(r.arrival_s, r.input_length, r.output_length) for r in reqs] == [
+        (0, 61, 2370), (0, 54, 2031)]
+    assert reader.without_ids == 2
+    assert_matches_brute_force(reqs, expand([(None, ["a"], 61), (None, ["b"], 54)], block=16))
+    write(path, {"request_id": 0, "type": "text", "input_length": 61, "output_length": -1})
+    code, _, err = run_cli(["trace", "stats", path], capsys)
+    assert code == 2 and err.strip().endswith(
+        "trace_d.jsonl:1: 'output_length' must be in [0, 16777215], got -1")
 
 
 def weka_doc(scope="local", requests=None, block=B):

@@ -219,6 +219,31 @@ def test_weka_subagents_scopes_and_times(tmp_path):
     assert sorted(r.arrival_s for r in reqs) == [0, 4.5, 7, 10, 10, 13]
 
 
+def test_weka_jsonl_of_conversations_with_absolute_subagent_times(tmp_path, capsys):
+    # SemiAnalysis' cc-traces-weka releases: traces.jsonl, a conversation a line, sub-agent
+    # request `t` counted from the conversation's start (none is before its entry's `t`).
+    convo = [{"t": 0, "type": "n", "model": "big", "in": 9, "out": 2, "hash_ids": [1, 2]},
+             {"t": 100, "type": "subagent", "agent_id": "a", "status": "completed",
+              "requests": [{"t": 101, "type": "n", "model": "big", "in": 8, "out": 1,
+                            "hash_ids": [1, 2]}]},
+             {"t": 150, "type": "n", "model": "big", "in": 14, "out": 2, "hash_ids": [1, 2, 9]}]
+    path = write(tmp_path / "traces.jsonl", weka_doc("local", convo), weka_doc("local", convo))
+    assert sniff(path)[0] == "weka"
+    reqs = read(path, "auto")
+    assert [(r.arrival_s, r.input_length) for r in reqs] == [
+        (0, 9), (101, 8), (150, 14), (150, 9), (251, 8), (300, 14)]
+    # Local scope: each line is its own namespace.
+    reference = expand([(k, ids, n) for k, ids, n in (
+        (0, [1, 2], 9), (0, [1, 2], 8), (0, [1, 2, 9], 14),
+        (1, [1, 2], 9), (1, [1, 2], 8), (1, [1, 2, 9], 14))])
+    assert_matches_brute_force(reqs, reference)
+    bad_line = json.dumps(weka_doc("local", [{"t": 0, "type": "x"}]))
+    path.write_text(json.dumps(weka_doc("local", convo)) + "\n" + bad_line + "\n")
+    code, _, err = run_cli(["trace", "stats", path], capsys)
+    assert code == 2 and err.strip().endswith(
+        "traces.jsonl:2: 'type' must be one of \"n\", \"s\", \"subagent\", got \"x\"")
+
+
 def test_token_ids_exact_sharing(tmp_path):
     prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     path = write(tmp_path / "t.jsonl", *({"task_id": i, "input_ids": p, "output_tokens": 2}

@@ -173,7 +173,7 @@ class RequestsConfig(Section):
     )
     output_length: int = Field(
         128, ge=0, description="Output tokens of each request of a trace that records none "
-        "(servegen)."
+        "(ServeGen's content-hash traces)."
     )
     limit: int | None = Field(None, gt=0, description="Use only the first N requests.")
     skip: int = Field(

@@ -137,7 +137,10 @@ def test_bailian(tmp_path):
     assert_matches_brute_force(reqs, expand([(None, ids, n) for _, n, ids in rows]))
 
 
-def test_servegen_images_keep_equal_text_apart(tmp_path):
+def test_servegen_equal_ids_share_whatever_the_images(tmp_path):
+    # The release's own example (data/offline/README.md): two captioning requests with
+    # different images share their first 23 blocks, "a common 368-token prefix whose KV cache
+    # can be reused".
     rows = [(10, [1, 2, 3], [5]), (10, [1, 2, 3], [6]), (10, [1, 2, 3], []),
             (12, [1, 2, 4], [5]), (9, [1, 2, 3], [])]
     path = write(tmp_path / "s.jsonl", *(
@@ -148,8 +151,28 @@ def test_servegen_images_keep_equal_text_apart(tmp_path):
     assert all(r.output_length == 9 for r in reqs)
     arrivals = [r.arrival_s for r in reqs]
     assert arrivals[0] == 0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
-    assert_matches_brute_force(reqs, expand([(tuple(im), ids, n) for n, ids, im in rows]))
-    assert reference_hit_rates(reqs[:2], B, None, partial_reuse=False).ideal_reused_tokens == 0
+    assert_matches_brute_force(reqs, expand([(None, ids, n) for n, ids, _ in rows]))
+    assert reference_hit_rates(reqs[:2], B, None, partial_reuse=False).ideal_reused_tokens == 8
+
+
+def test_servegen_stat_traces(tmp_path, capsys):
+    # data/offline/trace_d.jsonl: lengths and durations, no hash_ids; sniffed as ServeGen.
+    path = write(tmp_path / "trace_d.jsonl",
+                 {"request_id": 0, "type": "text", "input_length": 61, "output_length": 2370,
+                  "duration": 14000},
+                 {"request_id": 1, "type": "text", "input_length": 54, "output_length": 2031,
+                  "duration": 11630})
+    assert sniff(path)[0] == "servegen"
+    reader = open_trace(path, "auto", TraceOptions(output_length=7))
+    reqs = list(reader)
+    assert [(r.arrival_s, r.input_length, r.output_length) for r in reqs] == [
+        (0, 61, 2370), (0, 54, 2031)]
+    assert reader.without_ids == 2
+    assert_matches_brute_force(reqs, expand([(None, ["a"], 61), (None, ["b"], 54)], block=16))
+    write(path, {"request_id": 0, "type": "text", "input_length": 61, "output_length": -1})
+    code, _, err = run_cli(["trace", "stats", path], capsys)
+    assert code == 2 and err.strip().endswith(
+        "trace_d.jsonl:1: 'output_length' must be in [0, 16777215], got -1")
 
 
 def weka_doc(scope="local", requests=None, block=B):
@@ -194,6 +217,31 @@ def test_weka_subagents_scopes_and_times(tmp_path):
     # back_to_back: b starts when a's last request arrives.
     reqs = read(folder, "weka")
     assert sorted(r.arrival_s for r in reqs) == [0, 4.5, 7, 10, 10, 13]
+
+
+def test_weka_jsonl_of_conversations_with_absolute_subagent_times(tmp_path, capsys):
+    # SemiAnalysis' cc-traces-weka releases: traces.jsonl, a conversation a line, sub-agent
+    # request `t` counted from the conversation's start (none is before its entry's `t`).
+    convo = [{"t": 0, "type": "n", "model": "big", "in": 9, "out": 2, "hash_ids": [1, 2]},
+             {"t": 100, "type": "subagent", "agent_id": "a", "status": "completed",
+              "requests": [{"t": 101, "type": "n", "model": "big", "in": 8, "out": 1,
+                            "hash_ids": [1, 2]}]},
+             {"t": 150, "type": "n", "model": "big", "in": 14, "out": 2, "hash_ids": [1, 2, 9]}]
+    path = write(tmp_path / "traces.jsonl", weka_doc("local", convo), weka_doc("local", convo))
+    assert sniff(path)[0] == "weka"
+    reqs = read(path, "auto")
+    assert [(r.arrival_s, r.input_length) for r in reqs] == [
+        (0, 9), (101, 8), (150, 14), (150, 9), (251, 8), (300, 14)]
+    # Local scope: each line is its own namespace.
+    reference = expand([(k, ids, n) for k, ids, n in (
+        (0, [1, 2], 9), (0, [1, 2], 8), (0, [1, 2, 9], 14),
+        (1, [1, 2], 9), (1, [1, 2], 8), (1, [1, 2, 9], 14))])
+    assert_matches_brute_force(reqs, reference)
+    bad_line = json.dumps(weka_doc("local", [{"t": 0, "type": "x"}]))
+    path.write_text(json.dumps(weka_doc("local", convo)) + "\n" + bad_line + "\n")
+    code, _, err = run_cli(["trace", "stats", path], capsys)
+    assert code == 2 and err.strip().endswith(
+        "traces.jsonl:2: 'type' must be one of \"n\", \"s\", \"subagent\", got \"x\"")
 
 
 def test_token_ids_exact_sharing(tmp_path):

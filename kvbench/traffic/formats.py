@@ -82,8 +82,9 @@ def _by_keys(obj: dict) -> tuple[str, str] | None:
         return "token_ids", "a token-id trace (`input_ids`)"
     if "chat_id" in obj or "parent_chat_id" in obj:
         return "bailian", "a Bailian trace (`chat_id`, `parent_chat_id`)"
-    if "img_ids" in obj or ("request_id" in obj and "hash_ids" in obj and "timestamp" not in obj):
-        return "servegen", "a ServeGen trace (`request_id`, `img_ids`, no `timestamp`)"
+    # ServeGen's stat traces have no hash_ids: `request_id` without a time is what they share.
+    if "img_ids" in obj or ("request_id" in obj and "timestamp" not in obj):
+        return "servegen", "a ServeGen trace (`request_id`, no `timestamp`)"
     if "hash_ids" in obj or "input_length" in obj:
         keys = [k for k in ("timestamp", "delay", "session_id", "hash_ids") if k in obj]
         return "mooncake", f"a Mooncake trace ({', '.join(f'`{k}`' for k in keys)})"

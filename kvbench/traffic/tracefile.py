@@ -152,10 +152,12 @@ class LocatedDict(dict):
     line: int = 0
 
 
-def load_located_json(path: Path) -> Any:
-    """A whole JSON document whose objects are `LocatedDict`s, so a problem deep inside a
-    conversation file still names its line. Uses json's pure-Python scanner (per-file JSON is
-    small; JSONL traces use `jsonl_records`)."""
+def load_located_json(path: Path) -> list:
+    """The JSON values of a file, its objects `LocatedDict`s so that a problem deep inside a
+    conversation still names its line: one value for a JSON document, one a line for JSONL
+    (weka conversations come as a file each, or as one `traces.jsonl` of a conversation a line).
+    Uses json's pure-Python scanner (per-file JSON is small; JSONL traces of requests use
+    `jsonl_records`)."""
     with open_binary(path) as f:
         raw = f.read()
     try:
@@ -173,12 +175,22 @@ def load_located_json(path: Path) -> Any:
 
     decoder.parse_object = parse_object
     decoder.scan_once = json.scanner.py_make_scanner(decoder)
+    values = []
+    end = _skip_space(text, 0)
     try:
-        return decoder.decode(text)
+        while end < len(text) or not values:
+            value, end = decoder.raw_decode(text, end)
+            values.append(value)
+            end = _skip_space(text, end)
     except json.JSONDecodeError as e:
         raise fail(str(path), e.lineno, f"invalid JSON at column {e.colno}: {e.msg}") from None
     except RecursionError:
         raise InputError(f"{path}: JSON nested too deeply for a trace file") from None
+    return values
+
+
+def _skip_space(text: str, i: int) -> int:
+    return json.decoder.WHITESPACE.match(text, i).end()
 
 
 # --- fields --------------------------------------------------------------------------------------

@@ -1,17 +1,23 @@
 """Reader for kv-cache-tester / AIPerf `weka_trace` conversations: a folder of JSON files (or
-one file), one conversation each.
+one file), one conversation each, or a JSONL file of a conversation a line (SemiAnalysis'
+`cc-traces-weka` releases, `traces.jsonl`).
 
 Top level: `id`, `models`, `block_size` (tokens per hash id), `hash_id_scope` (`local`: ids mean
-something only inside this file; `global`: across files; default local), `tool_tokens`,
-`system_tokens` and `requests[]`. A request has `t` (seconds from the conversation's start),
-`type` (`n` or `s`), `model`, `in`, `out` and `hash_ids` (full blocks only: floor); a `subagent`
-entry holds its own `requests[]` whose `t` counts from the spawn (the entry's `t`). Sub-agents
-are flattened into the stream at their absolute times.
+something only inside this conversation; `global`: across conversations; default local),
+`tool_tokens`, `system_tokens` and `requests[]`. A request has `t` (seconds from the
+conversation's start), `type` (`n` or `s`), `model`, `in`, `out` and `hash_ids` (full blocks
+only: floor); a `subagent` entry holds its own `requests[]`. Sub-agents are flattened into the
+stream at their absolute times.
+
+Producers time sub-agent requests two ways: kv-cache-tester's own traces count their `t` from
+the spawn (the entry's `t`), SemiAnalysis' releases from the conversation's start. As AIPerf
+does, one reading holds for the whole input: from the spawn when some sub-agent request's `t`
+is earlier than its entry's (impossible from the conversation's start), else from the start.
 
 Ids are remapped along their chain from a root per model (different models never share KV) and,
-with local scope, per file. Conversations carry no absolute start, so `requests.sessions`
-decides when each starts (files in name order). The whole folder is read before the first
-request is returned (conversations interleave in time).
+with local scope, per conversation. Conversations carry no absolute start, so
+`requests.sessions` decides when each starts (files in name order, then line order). The whole
+input is read before the first request is returned (conversations interleave in time).
 """
 
 from __future__ import annotations
@@ -46,14 +52,17 @@ from kvbench.traffic.tracefile import (
 )
 
 _TYPES = ("n", "s", "subagent")
-_CONVERSATION_SUFFIXES = (".json", ".json.gz", ".json.bz2", ".json.xz")
+_CONVERSATION_SUFFIXES = tuple(f"{ext}{z}" for ext in (".json", ".jsonl")
+                               for z in ("", ".gz", ".bz2", ".xz"))
+# Float noise allowed when telling a sub-agent request's `t` from its entry's.
+_EARLIER_S = 1e-6
 MAX_SUBAGENT_DEPTH = 64
 """Subagents inside subagents, at most (each level is a Python frame while reading)."""
 
 
 def conversation_files(path: Path) -> list[Path]:
-    """The JSON files of a weka trace: the folder's `*.json` (compressed ones too: `.json.gz`,
-    `.json.bz2`, `.json.xz`) in name order, or the one file."""
+    """The JSON files of a weka trace: the folder's `*.json` and `*.jsonl` (compressed ones too:
+    `.gz`, `.bz2`, `.xz`) in name order, or the one file."""
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.name.endswith(_CONVERSATION_SUFFIXES)
                        and p.is_file())
@@ -74,39 +83,45 @@ class WekaReader(TraceReader):
         self.files = conversation_files(self.path)
         self.block_tokens = opts.block_tokens
         self.subagents = 0
+        self._from_spawn = False  # how sub-agent requests count `t` (module docstring)
 
     def _requests(self) -> Iterator[Request]:
         table = ChainedIds()
-        conversations = []  # per file: [(offset s, order, request)]
+        conversations = []  # per conversation: [(offset from spawn, from start, order, request)]
         order = 0
-        for index, file in enumerate(self.files):
-            items: list = []
-            doc = load_located_json(file)
+        for file in self.files:
             name = str(file)
-            try:
-                scope = self._header(doc)
-                units = UnitCheck("t", "s")
-                root = ("file", index) if scope == "local" else ("global",)
-                for offset, req, model, lineno in self._flatten(doc, 0.0, name, units):
-                    try:
-                        ids = chained_hash_ids(req, table, self.cover, req["in"], lineno,
-                                               (*root, model))
-                    except BadField as e:
-                        raise _At(lineno, str(e)) from None
-                    items.append((offset, order, Request(
-                        id=0, arrival_s=0.0, input_length=req["in"], output_length=req["out"],
-                        hash_ids=ids, trace_block_tokens=self.block_tokens)))
-                    order += 1
-            except _At as e:
-                raise fail(name, e.line, e.message) from None
-            conversations.append(items)
-        durations = [max((o for o, _, _ in items), default=0.0) for items in conversations]
+            for doc in load_located_json(file):
+                items: list = []
+                try:
+                    scope = self._header(doc)
+                    units = UnitCheck("t", "s")
+                    root = ("conversation", len(conversations)) if scope == "local" else (
+                        "global",)
+                    for offsets, req, model, lineno in self._flatten(doc, 0.0, None, name,
+                                                                     units):
+                        try:
+                            ids = chained_hash_ids(req, table, self.cover, req["in"], lineno,
+                                                   (*root, model))
+                        except BadField as e:
+                            raise _At(lineno, str(e)) from None
+                        items.append((*offsets, order, Request(
+                            id=0, arrival_s=0.0, input_length=req["in"],
+                            output_length=req["out"], hash_ids=ids,
+                            trace_block_tokens=self.block_tokens)))
+                        order += 1
+                except _At as e:
+                    raise fail(name, e.line, e.message) from None
+                conversations.append(items)
+        pick = 0 if self._from_spawn else 1
+        durations = [max((it[pick] for it in items), default=0.0) for items in conversations]
         starts = session_starts(durations, self.opts.sessions, self.opts.seed)
         placed = []
         for start, items in zip(starts, conversations):
-            for offset, o, r in items:
-                r.arrival_s = start + offset
-                placed.append((r.arrival_s, o, r))
+            for it in items:
+                r = it[3]
+                r.arrival_s = start + it[pick]
+                placed.append((r.arrival_s, it[2], r))
         placed.sort(key=lambda x: (x[0], x[1]))
         for _, _, r in placed:
             yield r
@@ -141,10 +156,11 @@ class WekaReader(TraceReader):
             need_list(doc, "requests", "request objects")
         return scope
 
-    def _flatten(self, node: LocatedDict, base: float, name: str, units: UnitCheck,
-                 depth: int = 0):
-        """(absolute offset s, request, model, line) of every request under `node`, `depth`
-        subagents down."""
+    def _flatten(self, node: LocatedDict, base: float, spawn: float | None, name: str,
+                 units: UnitCheck, depth: int = 0):
+        """((offset s if sub-agent `t` counts from the spawn, offset s if from the start),
+        request, model, line) of every request under `node`, `depth` subagents down; `spawn`:
+        the `t` of the subagent entry `node` is, None at the top."""
         models = node.get("models")
         for req in node["requests"]:
             if not isinstance(req, LocatedDict):
@@ -152,6 +168,8 @@ class WekaReader(TraceReader):
             with _located(req):
                 t = need_number(req, "t", "s")
                 units.check(name, req.line, t)
+                if spawn is not None and t < spawn - _EARLIER_S:
+                    self._from_spawn = True
                 kind = need(req, "type")
                 if kind not in _TYPES:
                     raise BadField(f"'type' must be one of \"n\", \"s\", \"subagent\", got "
@@ -166,7 +184,7 @@ class WekaReader(TraceReader):
                     sub.line = req.line
                     if models is not None and "models" not in sub:
                         sub["models"] = models
-                    nested = list(self._flatten(sub, base + t, name, units, depth + 1))
+                    nested = list(self._flatten(sub, base + t, t, name, units, depth + 1))
                     yield from nested
                     continue
                 model = need_str(req, "model") if "model" in req else None
@@ -175,7 +193,7 @@ class WekaReader(TraceReader):
                 check_int("in", need(req, "in"), 1, MAX_INPUT_LENGTH - 1)
                 check_int("out", need(req, "out"), 0, MAX_OUTPUT_LENGTH)
                 need(req, "hash_ids")
-            yield base + t, req, model, req.line
+            yield (base + t, t), req, model, req.line
 
 
 class _At(Exception):

@@ -440,6 +440,9 @@ def trace_stats_cmd(
     if stats["requests_without_prefix_info"]:
         table.add_row("requests without prefix information",
                       f"{stats['requests_without_prefix_info']:,}")
+    if stats["records_without_prompt"]:
+        table.add_row("records skipped (no prompt tokens)",
+                      f"{stats['records_without_prompt']:,}")
     table.add_row("requests", f"{stats['requests']:,}")
     table.add_row("duration", f"{stats['duration_s']:,.1f} s")
     rate = stats["rate_rps"]

@@ -183,6 +183,9 @@ def _load(wl: Workload, stream: bool = False) -> RequestList | SpilledTrace:
         requests, reader = load_traffic(wl.requests, base_dir=base, seed=wl.run.seed)
     if not len(requests):
         _empty(wl)
+    if reader is not None and reader.without_prompt:
+        warn(f"{reader.path}: skipped the records with no prompt tokens (nothing to prefill "
+             f"or cache): {reader.without_prompt:,}")
     if reader is not None and reader.without_ids == len(requests) and wl.run.mode == "cache":
         warn(f"{reader.path}: the trace has no prefix information ({reader.format}: arrivals "
              "and lengths only), so cache mode has nothing to reuse and its hit rates are 0 "

@@ -272,6 +272,24 @@ def test_lengths_csv_azure_and_burstgpt(tmp_path):
     assert refs.ideal_reused_tokens == 0
 
 
+def test_lengths_csv_skips_and_counts_rows_without_prompt_tokens(tmp_path, capsys):
+    """A logged call with no prompt tokens has nothing to prefill or cache: skipped, counted
+    (trace stats), its time still ordered against its neighbours'."""
+    burst = tmp_path / "burst.csv"
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                     "5,ChatGPT,472,18,490,Conversation log\n7,GPT-4,0,0,0,API log\n"
+                     "9,GPT-4,30,2,32,API log\n")
+    reader = open_trace(burst, "lengths_csv")
+    assert [(r.arrival_s, r.input_length) for r in reader] == [(0, 472), (4, 30)]
+    assert reader.without_prompt == 1 and reader.without_ids == 2
+    code, out, _ = run_cli(["trace", "stats", burst, "--json", "-"], capsys)
+    stats = json.loads(out)
+    assert code == 0 and stats["records_without_prompt"] == 1 and stats["requests"] == 2
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                     "5,ChatGPT,472,18,490,Conversation log\n4,GPT-4,0,0,0,API log\n")
+    code, _, err = run_cli(["trace", "stats", burst], capsys)
+    assert code == 2 and "burst.csv:3: 'Timestamp' 4 is before the previous row's" in err
+
 # --- id remapping --------------------------------------------------------------------------------
 
 raw_ids = st.one_of(st.integers(0, 3), st.integers(2**38 - 2, 2**38 + 1), st.integers(-2, 2**64),
@@ -467,7 +485,7 @@ CSV_OK = "2023-11-16 18:15:46.6805900,374,44\n"
 CSV_BAD = [
     ("2023-13-16 18:15:46,374,44", "'TIMESTAMP' must be seconds or a date and time, got "
                                    "'2023-13-16 18:15:46'"),
-    ("2023-11-16 18:15:47,0,44", "'ContextTokens' must be in [1, 16777215], got 0"),
+    ("2023-11-16 18:15:47,-1,44", "'ContextTokens' must be in [0, 16777215], got -1"),
     ("2023-11-16 18:15:47,374,4.5", "'GeneratedTokens' must be an integer, got '4.5'"),
     ("2023-11-16 18:15:47,374", "expected at least 3 columns, got 2"),
     ("2023-11-16 18:15:40,374,44", "'TIMESTAMP' 2023-11-16 18:15:40 is before the previous row's"),

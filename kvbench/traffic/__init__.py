@@ -148,6 +148,7 @@ def trace_stats(
             "native_block_tokens": native,
             "convention": reader.convention(),
             "requests_without_prefix_info": reader.without_ids,
+            "records_without_prompt": reader.without_prompt,
             "ideal_resolvable": {bs: native is not None and bs >= native for bs in block_sizes},
         })
     return stats

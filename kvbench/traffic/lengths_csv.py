@@ -2,7 +2,9 @@
 (`TIMESTAMP,ContextTokens,GeneratedTokens`, TIMESTAMP a date and time) and BurstGPT
 (`Timestamp,Model,Request tokens,Response tokens,...`, Timestamp in seconds). Arrivals count from
 the first row. There is no prefix information: every prompt gets ids nothing else has, so serve
-mode runs them as they are and cache mode has nothing to reuse (the runner says so).
+mode runs them as they are and cache mode has nothing to reuse (the runner says so). Rows with
+no prompt tokens (service logs record calls that failed before any) are counted and skipped:
+there is nothing to prefill or cache.
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ class LengthsCsvReader(TraceReader):
                     if not isinstance(ts, datetime):
                         UnitCheck(columns[0][1], "s").check(name, lineno, ts)
                 prev = ts
+                if not input_length:
+                    self.without_prompt += 1
+                    continue
                 offset = ts - first
                 arrival = offset.total_seconds() if isinstance(ts, datetime) else float(offset)
                 self.without_ids += 1
@@ -104,7 +109,7 @@ def _row(row: list[str], columns: tuple[tuple[int, str], ...]):
     if len(row) < width:
         raise BadField(f"expected at least {width} columns, got {len(row)}")
     ts = _timestamp(row[t_col].strip(), t_name)
-    input_length = _int(row[in_col].strip(), in_name, 1, MAX_INPUT_LENGTH - 1)
+    input_length = _int(row[in_col].strip(), in_name, 0, MAX_INPUT_LENGTH - 1)
     output_length = _int(row[out_col].strip(), out_name, 0, MAX_OUTPUT_LENGTH)
     return ts, input_length, output_length
 

@@ -470,8 +470,8 @@ class TraceReader:
 
     After (or during) iteration: `block_tokens` (tokens per hash id, the trace's native block
     size; 1 for explicit tokens; None when the trace has no prefix information), `cover`
-    (the length convention check of hash-id formats) and `without_ids` (requests that carry
-    no prefix information)."""
+    (the length convention check of hash-id formats), `without_ids` (requests that carry
+    no prefix information) and `without_prompt` (records skipped: no prompt tokens)."""
 
     format = ""
     description = ""
@@ -486,6 +486,7 @@ class TraceReader:
         self.block_tokens: int | None = None
         self.cover: Cover | None = None
         self.without_ids = 0
+        self.without_prompt = 0
         self.requests = 0
 
     def _requests(self) -> Iterator:

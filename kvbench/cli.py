@@ -321,12 +321,14 @@ def report(
 
 
 @app.command(epilog=_example(
+    "kvbench calibrate",
     "kvbench calibrate workloads/quickstart.yaml",
     "kvbench calibrate workloads/quickstart.yaml --out profiles/h100-quickstart.yaml"))
 def calibrate(
-    workload: Annotated[Path, typer.Argument(
+    workload: Annotated[Optional[Path], typer.Argument(
         help="Workload YAML whose model shape (model:, cache.tokens_per_block, "
-             "scheduler.max_batch_size) to measure; --set model.* measures another.")],
+             "scheduler.max_batch_size) to measure (default: every key's default, a "
+             "Llama-3-8B shape); --set model.* measures another.")] = None,
     out_path: Annotated[Optional[Path], typer.Option(
         "--out", metavar="FILE",
         help="Profile YAML to write (default: profiles/<gpu>-<workload>.yaml; - = standard "
@@ -336,13 +338,14 @@ def calibrate(
     quiet: QuietOption = False,
 ) -> None:
     """Measure this CUDA GPU for a model shape and write a hardware profile (hardware.profile)."""
-    from .config import load_workload
+    from .config import default_workload, load_workload
     from .outfile import output_file
 
     # A given --out is checked before minutes of measuring (the default one is named after
     # the GPU measured, so it is checked when known).
     target = output_file(out_path, "--out") if out_path is not None else None
-    wl = load_workload(workload, set_ or ())
+    wl = (load_workload(workload, set_ or ()) if workload is not None
+          else default_workload(set_ or ()))
     import torch
 
     if not torch.cuda.is_available():

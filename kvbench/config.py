@@ -554,14 +554,31 @@ def load_workload(path: str | Path, sets: Sequence[str] = ()) -> Workload:
         raise InputError(f"{path}:{line}:{column}: empty workload: expected a mapping of "
                          "workload keys (model, cache, requests, run, ...)")
     data.setdefault("name", path.stem)
+    workload = _validated(data, Origin(str(path), marks, _set_keys(sets)), sets)
+    workload._source_path = path
+    workload._source_text_sha256 = hashlib.sha256(raw).hexdigest()
+    return workload
+
+
+def default_workload(sets: Sequence[str] = ()) -> Workload:
+    """Every key at its default (named `default`), `sets` applied: what a command that takes
+    an optional workload (`kvbench calibrate`) uses without one."""
+    data, marks = parse_yaml("name: default\n", "<defaults>")
+    return _validated(data, Origin("<defaults>", marks, _set_keys(sets)), sets)
+
+
+def _set_keys(sets: Sequence[str]) -> list[tuple[str, ...]]:
+    return [tuple(parse_set(item)[0].split(".")) for item in sets]
+
+
+def _validated(data: dict, origin: Origin, sets: Sequence[str]) -> Workload:
+    """`data` with `sets` applied, validated (every problem one InputError line, placed by
+    `origin`), its variants built."""
     data = apply_sets(data, sets)
-    origin = Origin(str(path), marks, [tuple(parse_set(item)[0].split(".")) for item in sets])
     try:
         workload = Workload.model_validate(data)
     except ValidationError as exc:
         raise InputError(describe(exc, data, origin, Workload)) from None
-    workload._source_path = path
-    workload._source_text_sha256 = hashlib.sha256(raw).hexdigest()
     workload._origin = origin
     # Build the variants now so that `kvbench validate` reports their errors too.
     runs = workload.variant_workloads()

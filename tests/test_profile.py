@@ -92,6 +92,26 @@ def test_profile_of_another_shape_is_refused(tmp_path, chat, capsys):
     assert code == 2 and "num_layers 16 (profile: 32)" in err and "kvbench calibrate" in err
 
 
+def test_calibrate_without_a_workload_measures_the_default_shape(capsys):
+    """`kvbench calibrate` alone (as DESIGN.md pins it) takes every key's default, --set
+    applied; without CUDA it refuses in one line, as with a workload."""
+    from kvbench.config import Workload, default_workload
+
+    wl = default_workload(["model.num_layers=16"])
+    assert wl.name == "default" and wl.model.num_layers == 16
+    assert wl.model.model_dump() == {**Workload(name="x").model.model_dump(), "num_layers": 16}
+    code, _, err = run_cli(["calibrate", "--set", "model.num_layers=0"], capsys)
+    assert code == 2 and err.strip() == (
+        "kvbench: error: --set model.num_layers: expected a value > 0 (got 0)")
+    pytest.importorskip("torch")
+    import torch
+
+    if not torch.cuda.is_available():
+        code, _, err = run_cli(["calibrate"], capsys)
+        assert code == 2 and err.strip() == (
+            "kvbench: error: kvbench calibrate needs a CUDA GPU and torch sees none; a profile "
+            "measured elsewhere works here through hardware.profile")
+
 def test_interpolation_between_and_past_the_points(chat):
     p = profile_for(chat)
     assert interp1(p.linear, 128) == pytest.approx(3 + 0.02 * 128)

@@ -58,7 +58,20 @@ directory, device or fifo is refused before the run, as for every output option:
   (`kvbench run --repeat N`), merged by the median in `kvbench compare` and `kvbench report`.
   Two workloads of one `name` in a result are an error.
 - `config` is the workload with every default filled in and the variant's overrides applied.
-- `timeline` is thinned to a few thousand rows; compare never reads it (baselines drop it).
+- `timeline` is for plots; compare never reads it (baselines drop it). `x` is `request` (cache
+  mode: one row per request) or `step` (serve mode: one row per step, or per run of identical
+  decode steps). It keeps every `stride`-th row, at most {max_points:,}. Its `columns` are
+  lists of integers:
+  - `reused_tokens`, `prompt_tokens`: tokens of the requests of the rows a kept row stands for
+    (serve mode: of the requests whose first chunk those steps computed), summed, so their
+    ratio is a rolling hit rate.
+  - `in_use`, `cached`, `free`: GPU blocks held by running requests, free but holding
+    reusable data, and empty (cache mode: `in_use` while the request runs, the others after
+    its release; serve mode: after the step).
+  - serve mode only: `step` (the row's first step), `steps` (how many steps the row stands
+    for), `time_us` (the row's start in microseconds on the run's clock, so modeled unless
+    `time_source` is `measured`), `batch` (requests scheduled), `scheduled_tokens` and
+    `computed_tokens` (tokens budgeted and computed in the step).
 - A metric that does not apply to a run (a serve-mode metric in cache mode) is absent; one
   that applies but has no value (no data plane ran) is `null` where its row says nullable.
 - Metric names are pinned once released: added freely, never renamed (pinned: yes).
@@ -222,7 +235,9 @@ def workloads_md() -> str:
 def results_md() -> str:
     from kvbench.metrics import METRICS, SECTIONS, in_section
 
-    out = [RESULTS_HEAD]
+    from kvbench.engine.timeline import MAX_POINTS
+
+    out = [RESULTS_HEAD.replace("{max_points:,}", f"{MAX_POINTS:,}")]
     for section in SECTIONS:
         out += [f"## {section}", "",
                 "| metric | type | unit | modes | rule | needs | pinned | description |",

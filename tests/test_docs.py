@@ -3,6 +3,7 @@ registry say, architecture.md names every package and only modules that exist, a
 in README.md or docs/ leaves the repository."""
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -54,3 +55,37 @@ def test_no_link_leaves_the_repository():
                 continue
             resolved = (page.parent / target.split("#")[0]).resolve()
             assert resolved.is_relative_to(ROOT) and resolved.exists(), (page.name, target)
+
+
+def _documented_fields(result: dict) -> set[str]:
+    """Every field name of a result besides metrics and config, and each timeline's `x`."""
+    names = {k for k in result if k != "runs"}
+    names |= set(result["workload"]) | set(result["environment"])
+    for entry in result.get("workloads", []):
+        names |= set(entry)
+    for run in result["runs"]:
+        names |= set(run)
+        timeline = run["timeline"]
+        names |= set(timeline) | set(timeline["columns"]) | {timeline["x"]}
+    return names
+
+
+def test_results_page_names_every_field_of_a_result(tmp_path, capsys):
+    """docs/results.md describes what a run writes besides the metrics (the registry's): the
+    envelope, the environment, a run's keys and the timeline's columns in both modes."""
+    from cli_helpers import run_cli
+
+    text = (DOCS / "results.md").read_text()
+    seen = set()
+    for workload, sets in [("reuse-multi-turn.yaml", ["requests.synthetic.num_requests=20"]),
+                           ("serve-delay-batching.yaml",
+                            ["requests.synthetic.num_requests=20"])]:
+        out = tmp_path / f"{workload}.json"
+        args = ["run", ROOT / "workloads" / "ci" / workload, "--quiet", "--json", out]
+        for item in sets:
+            args += ["--set", item]
+        code, _, err = run_cli(args, capsys)
+        assert code == 0, err
+        seen |= _documented_fields(json.loads(out.read_text()))
+    missing = sorted(name for name in seen if f"`{name}`" not in text and f'"{name}"' not in text)
+    assert not missing, f"docs/results.md does not name these result fields: {missing}"

@@ -48,13 +48,26 @@ def test_architecture_names_every_package_and_only_real_modules():
             or list((ROOT / "tests").glob(module)), module
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
 def test_no_link_leaves_the_repository():
+    """README.md and docs/ stand alone: every link is a file of the repository (and a heading
+    of it when it names one); no link to a web page, but a local server's address."""
     for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
-        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
-            if re.match(r"https?://", target) or target.startswith("#"):
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"<(\w+://[^>]+)>", text):
+            if re.match(r"\w+://(127\.0\.0\.1|localhost)[:/]", target):
                 continue
-            resolved = (page.parent / target.split("#")[0]).resolve()
+            assert not re.match(r"\w+:", target), (page.name, target)
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
             assert resolved.is_relative_to(ROOT) and resolved.exists(), (page.name, target)
+            if anchor and resolved.suffix == ".md":
+                assert anchor in _anchors(resolved), (page.name, target)
 
 
 def _documented_fields(result: dict) -> set[str]:

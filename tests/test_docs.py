@@ -102,3 +102,53 @@ def test_results_page_names_every_field_of_a_result(tmp_path, capsys):
         seen |= _documented_fields(json.loads(out.read_text()))
     missing = sorted(name for name in seen if f"`{name}`" not in text and f'"{name}"' not in text)
     assert not missing, f"docs/results.md does not name these result fields: {missing}"
+
+
+def _commands(group, path=()):
+    """(('trace', 'stats'), click command) for every command of the CLI."""
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):
+            yield from _commands(command, (*path, name))
+        else:
+            yield (*path, name), command
+
+
+def _cli_page() -> dict[tuple, dict[str, str]]:
+    """docs/cli.md: per command, each option name -> the default column of its row."""
+    page: dict[tuple, dict[str, str]] = {}
+    rows: dict[str, str] = {}
+    for line in (DOCS / "cli.md").read_text().replace("\\|", "/").splitlines():
+        heading = re.match(r"## `kvbench((?: [a-z]+)*)", line)
+        if heading:
+            rows = page.setdefault(tuple(w for w in heading[1].split() if w.islower()), {})
+        row = re.match(r"\|( *`-[^|]*)\|[^|]*\|([^|]*)\|", line)
+        if row:
+            for name in re.findall(r"`(-[-\w]+)`", row[1]):
+                rows[name] = row[2].strip()
+    return page
+
+
+def test_cli_page_lists_every_command_and_option_with_its_default():
+    """docs/cli.md has a section per command, a row per option (no more, no fewer), and the
+    default column shows the option's default where it has one."""
+    import typer.main
+
+    from kvbench.cli import app
+
+    group = typer.main.get_command(app)
+    page = _cli_page()
+    expected = {(): [p for p in group.params if p.opts != ["--help"]]}
+    for path, command in _commands(group):
+        expected[path] = [p for p in command.params if p.opts[0].startswith("-")]
+    assert set(page) == set(expected), "docs/cli.md: commands differ from the CLI's"
+    for path, params in expected.items():
+        names = {o for p in params for o in p.opts if o != "--help"}
+        assert set(page[path]) == names, (path, set(page[path]) ^ names)
+        for p in params:
+            shown = re.findall(r"`([^`]+)`", page[path][p.opts[0]])
+            if p.default in (None, False) or p.is_flag:
+                assert not shown, (path, p.opts[0], "no default to show")
+            elif isinstance(p.default, (int, float)):
+                assert shown and float(shown[0]) == p.default, (path, p.opts[0], p.default)
+            else:
+                assert shown and shown[0] == str(p.default), (path, p.opts[0], p.default)

@@ -57,7 +57,8 @@ directory, device or fifo is refused before the run, as for every output option:
 - Runs are keyed by (workload, variant); several runs of one key are repeats
   (`kvbench run --repeat N`), merged by the median in `kvbench compare` and `kvbench report`.
   Two workloads of one `name` in a result are an error.
-- `config` is the workload with every default filled in and the variant's overrides applied.
+- `config` is the workload with every default filled in and the variant's overrides applied,
+  without `variants` and `tune`.
 - `timeline` is for plots; compare never reads it (baselines drop it). `x` is `request` (cache
   mode: one row per request) or `step` (serve mode: one row per step, or per run of identical
   decode steps). It keeps every `stride`-th row, at most {max_points:,}. Its `columns` are

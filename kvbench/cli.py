@@ -82,7 +82,7 @@ def _example(*lines: str) -> str:
 @app.command(epilog=_example(
     "kvbench run workloads/quickstart.yaml",
     "kvbench run workloads/ci/*.yaml --json out.json --quiet",
-    "kvbench run workloads/quickstart.yaml --set cache.tokens_per_block=16 --repeat 3"))
+    "kvbench run workloads/quickstart.yaml --set cache.max_tokens=16384 --repeat 3"))
 def run(
     workloads: Annotated[list[Path], typer.Argument(
         metavar="WORKLOAD...", help="Workload YAML file(s); several form a suite.")],

@@ -73,7 +73,7 @@ class ModelConfig(Section):
     attention_window: Union[PositiveInt, list[Union[PositiveInt, None]], None] = Field(
         None,
         description="Sliding window in tokens: int, or list of int/null repeated over layers"
-        " (null = full attention).",
+        " (null = full attention; at most num_layers entries).",
     )
     hidden_size: int | None = Field(
         None, gt=0, description="Model hidden size, for the step-time cost model."
@@ -235,7 +235,7 @@ class CacheConfig(Section):
         gt=0,
         validate_default=True,
         description="GPU KV budget in tokens of the whole model"
-        " (bytes = max_tokens x KV bytes per token over all layers).",
+        " (bytes = max_tokens x KV bytes per token over all layers); at least tokens_per_block.",
     )
     host_offload_ratio: float = Field(
         0.0, ge=0, le=MAX_RATIO,

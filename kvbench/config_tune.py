@@ -98,7 +98,9 @@ class TuneConfig(Section):
         min_length=1, description="Tuned parameters: dotted.key -> choices or low/high range."
     )
     objectives: list[Objective] = Field(
-        default_factory=_default_objectives, min_length=1, description="Metrics to optimize."
+        default_factory=_default_objectives, min_length=1,
+        description="Metrics to optimize; default: " + ", ".join(
+            f"{name} ({direction(name)})" for name in DEFAULT_OBJECTIVES) + ".",
     )
     constraints: list[Annotated[str, AfterValidator(_check_constraint)]] = Field(
         default_factory=list, description="Feasibility limits like 'ttft_ms.p99 <= 2000'."

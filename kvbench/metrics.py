@@ -274,7 +274,7 @@ _m("host_link_ms_modeled", "number", "ms", "host-link time (modeled)", "Traffic"
 _m("host_evicted_blocks", "count", "blocks", "host blocks evicted", "Traffic", _c, LOWER,
    description="Host blocks whose data was dropped to make room for offloads.")
 _m("phase2_alloc_failures", "count", "blocks", "onboards/partial copies short of a block",
-   "Traffic", _c, LOWER,
+   "Traffic", _c, LOWER, pinned=True,
    description="Onboards and partial copies of an add that found no free GPU block (that "
                "request's reuse ended there; cache.strict_phase2 fails the run instead).")
 _m("scratch_blocks", "count", "blocks", "blocks in scratch slots", "Traffic", _c, EITHER,

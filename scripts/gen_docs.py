@@ -29,6 +29,9 @@ keys are errors, reported as `file:line:col: key: what was expected`, and so is 
 or a `--set` into a section the workload does not use. A workload file holds at most 64 KiB,
 32 levels of nesting and 100,000 values with its YAML aliases expanded. Semantics of the cache
 and the scheduler: [semantics.md](semantics.md); what a run reports: [results.md](results.md).
+
+In the tables, the type gives the values a key takes: `a..b` includes both ends, `non-empty`
+means at least one character or entry. A key whose default is `required` has none.
 """
 
 RESULTS_HEAD = """\
@@ -54,8 +57,22 @@ directory, device or fifo is refused before the run, as for every output option:
 - Runs are keyed by (workload, variant); several runs of one key are repeats
   (`kvbench run --repeat N`), merged by the median in `kvbench compare` and `kvbench report`.
   Two workloads of one `name` in a result are an error.
-- `config` is the workload with every default filled in and the variant's overrides applied.
-- `timeline` is thinned to a few thousand rows; compare never reads it (baselines drop it).
+- `config` is the workload with every default filled in and the variant's overrides applied,
+  without `variants` and `tune`.
+- `timeline` is for plots; compare never reads it (baselines drop it). `x` is `request` (cache
+  mode: one row per request) or `step` (serve mode: one row per step, or per run of identical
+  decode steps). It keeps every `stride`-th row, at most {max_points:,}. Its `columns` are
+  lists of integers:
+  - `reused_tokens`, `prompt_tokens`: tokens of the requests of the rows a kept row stands for
+    (serve mode: of the requests whose first chunk those steps computed), summed, so their
+    ratio is a rolling hit rate.
+  - `in_use`, `cached`, `free`: GPU blocks held by running requests, free but holding
+    reusable data, and empty (cache mode: `in_use` while the request runs, the others after
+    its release; serve mode: after the step).
+  - serve mode only: `step` (the row's first step), `steps` (how many steps the row stands
+    for), `time_us` (the row's start in microseconds on the run's clock, so modeled unless
+    `time_source` is `measured`), `batch` (requests scheduled), `scheduled_tokens` and
+    `computed_tokens` (tokens budgeted and computed in the step).
 - A metric that does not apply to a run (a serve-mode metric in cache mode) is absent; one
   that applies but has no value (no data plane ran) is `null` where its row says nullable.
 - Metric names are pinned once released: added freely, never renamed (pinned: yes).
@@ -71,30 +88,82 @@ data_plane: `run.backend` other than none; cuda: a data plane on a CUDA device).
 """
 
 
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def _bounds(node: dict) -> str:
+    """The range a schema node allows: `> 0`, `0..1` (both ends included), `>= 0, < 1`."""
+    lo = [(f">= {_num(node[k])}", node[k]) for k in ("minimum", "ge") if k in node]
+    lo += [(f"> {_num(node[k])}", None) for k in ("exclusiveMinimum", "gt") if k in node]
+    hi = [(f"<= {_num(node[k])}", node[k]) for k in ("maximum", "le") if k in node]
+    hi += [(f"< {_num(node[k])}", None) for k in ("exclusiveMaximum", "lt") if k in node]
+    if lo and hi and lo[0][1] is not None and hi[0][1] is not None:
+        return f"{_num(lo[0][1])}..{_num(hi[0][1])}"
+    return ", ".join(text for text, _ in lo[:1] + hi[:1])
+
+
 def _type(node: dict, defs: dict) -> str:
-    """A short type for a schema node."""
+    """A short type for a schema node, with the range it allows."""
     if "$ref" in node:
         return "object"
+    bounds = _bounds(node)
     if "anyOf" in node:
         parts = [p for n in node["anyOf"] for p in _type(n, defs).split(" or ")]
-        return " or ".join(dict.fromkeys(parts))
+        if parts[:2] == ["int", "float"]:  # config_base.Number
+            parts[:2] = ["number"]
+        text = " or ".join(dict.fromkeys(parts))
+        return f"{text} {bounds}" if bounds else text
     if "enum" in node:
         return " \\| ".join(f"`{v}`" for v in node["enum"])
     if "const" in node:
         return f"`{node['const']}`"
     t = node.get("type", "any")
     if t == "array":
-        return f"list of {_type(node.get('items', {}), defs)}"
+        items = _type(node.get("items", {}), defs)
+        text = f"list of ({items})" if " or " in items else f"list of {items}"
+        return f"non-empty {text}" if node.get("minItems") else text
     if t == "object" and isinstance(node.get("additionalProperties"), dict):
         return f"map to {_type(node['additionalProperties'], defs)}"
-    return {"integer": "int", "number": "float", "string": "str", "boolean": "bool",
+    text = {"integer": "int", "number": "float", "string": "str", "boolean": "bool",
             "null": "null"}.get(t, t)
+    if node.get("minLength"):
+        text = f"non-empty {text}"
+    return f"{text} {bounds}" if bounds else text
 
 
-def _default(node: dict) -> str:
-    if "default" not in node:
-        return ""
-    return f"`{json.dumps(node['default'])}`"
+def _models() -> dict:
+    """The workload's pydantic models by name (the names of the schema's `$defs`)."""
+    from typing import get_args
+
+    from pydantic import BaseModel
+
+    from kvbench.config import Workload
+
+    found: dict = {}
+    todo = [Workload]
+    while todo:
+        model = todo.pop()
+        if model.__name__ in found:
+            continue
+        found[model.__name__] = model
+        annotations = [f.annotation for f in model.model_fields.values()]
+        while annotations:
+            a = annotations.pop()
+            if isinstance(a, type) and issubclass(a, BaseModel):
+                todo.append(a)
+            annotations += get_args(a)
+    return found
+
+
+def _default(node: dict, model: str, key: str, required: list) -> str:
+    """The default as JSON, also where a factory makes it; `required` where there is none."""
+    if key in required:
+        return "required"
+    if "default" in node:
+        return f"`{json.dumps(node['default'])}`"
+    value = _models()[model].model_fields[key].get_default(call_default_factory=True)
+    return f"`{json.dumps(value)}`"
 
 
 def _ref(node: dict) -> str | None:
@@ -112,15 +181,18 @@ def _shape(kind: str) -> str:
 
 def _rows(model: dict, prefix: str, defs: dict, sections: list) -> list[tuple]:
     rows = []
+    required = model.get("required", [])
     for key, node in model.get("properties", {}).items():
         dotted = f"{prefix}{key}"
         ref = _ref(node)
         desc = node.get("description", "").replace("|", "\\|").replace("\n", " ")
         if ref is not None:
+            desc += " Required." if key in required else ""
             kind = {"array": "list of", "object": "map of"}.get(node.get("type"), "section")
             sections.append((dotted, desc, ref, kind))
             continue
-        rows.append((dotted, _type(node, defs), _default(node), desc))
+        rows.append((dotted, _type(node, defs), _default(node, model["title"], key, required),
+                     desc))
     return rows
 
 
@@ -151,9 +223,11 @@ def workloads_md() -> str:
         out += [f"## `{dotted}`", "", desc, ""]
         if model.get("description") and model["description"] != desc:
             out += [model["description"].strip(), ""]
-        out += ["| key | type | default | description |", "|---|---|---|---|"]
-        out += [f"| `{k}` | {t} | {d} | {text} |" for k, t, d, text in rows]
-        out += [""] + [f"- `{n[0]}`: {n[1]}{_shape(n[3])} (below)" for n in nested]
+        if rows:
+            out += ["| key | type | default | description |", "|---|---|---|---|"]
+            out += [f"| `{k}` | {t} | {d} | {text} |" for k, t, d, text in rows]
+            out += [""]
+        out += [f"- `{n[0]}`: {n[1]}{_shape(n[3])} (below)" for n in nested]
         out += [""] if nested else []
         sections[0:0] = nested
     return "\n".join(out).rstrip() + "\n"
@@ -162,7 +236,9 @@ def workloads_md() -> str:
 def results_md() -> str:
     from kvbench.metrics import METRICS, SECTIONS, in_section
 
-    out = [RESULTS_HEAD]
+    from kvbench.engine.timeline import MAX_POINTS
+
+    out = [RESULTS_HEAD.replace("{max_points:,}", f"{MAX_POINTS:,}")]
     for section in SECTIONS:
         out += [f"## {section}", "",
                 "| metric | type | unit | modes | rule | needs | pinned | description |",

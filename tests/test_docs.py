@@ -3,6 +3,7 @@ registry say, architecture.md names every package and only modules that exist, a
 in README.md or docs/ leaves the repository."""
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -47,10 +48,107 @@ def test_architecture_names_every_package_and_only_real_modules():
             or list((ROOT / "tests").glob(module)), module
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
 def test_no_link_leaves_the_repository():
+    """README.md and docs/ stand alone: every link is a file of the repository (and a heading
+    of it when it names one); no link to a web page, but a local server's address."""
     for page in [ROOT / "README.md", *DOCS.glob("*.md")]:
-        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
-            if re.match(r"https?://", target) or target.startswith("#"):
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"<(\w+://[^>]+)>", text):
+            if re.match(r"\w+://(127\.0\.0\.1|localhost)[:/]", target):
                 continue
-            resolved = (page.parent / target.split("#")[0]).resolve()
+            assert not re.match(r"\w+:", target), (page.name, target)
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
             assert resolved.is_relative_to(ROOT) and resolved.exists(), (page.name, target)
+            if anchor and resolved.suffix == ".md":
+                assert anchor in _anchors(resolved), (page.name, target)
+
+
+def _documented_fields(result: dict) -> set[str]:
+    """Every field name of a result besides metrics and config, and each timeline's `x`."""
+    names = {k for k in result if k != "runs"}
+    names |= set(result["workload"]) | set(result["environment"])
+    for entry in result.get("workloads", []):
+        names |= set(entry)
+    for run in result["runs"]:
+        names |= set(run)
+        timeline = run["timeline"]
+        names |= set(timeline) | set(timeline["columns"]) | {timeline["x"]}
+    return names
+
+
+def test_results_page_names_every_field_of_a_result(tmp_path, capsys):
+    """docs/results.md describes what a run writes besides the metrics (the registry's): the
+    envelope, the environment, a run's keys and the timeline's columns in both modes."""
+    from cli_helpers import run_cli
+
+    text = (DOCS / "results.md").read_text()
+    seen = set()
+    for workload, sets in [("reuse-multi-turn.yaml", ["requests.synthetic.num_requests=20"]),
+                           ("serve-delay-batching.yaml",
+                            ["requests.synthetic.num_requests=20"])]:
+        out = tmp_path / f"{workload}.json"
+        args = ["run", ROOT / "workloads" / "ci" / workload, "--quiet", "--json", out]
+        for item in sets:
+            args += ["--set", item]
+        code, _, err = run_cli(args, capsys)
+        assert code == 0, err
+        seen |= _documented_fields(json.loads(out.read_text()))
+    missing = sorted(name for name in seen if f"`{name}`" not in text and f'"{name}"' not in text)
+    assert not missing, f"docs/results.md does not name these result fields: {missing}"
+
+
+def _commands(group, path=()):
+    """(('trace', 'stats'), click command) for every command of the CLI."""
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):
+            yield from _commands(command, (*path, name))
+        else:
+            yield (*path, name), command
+
+
+def _cli_page() -> dict[tuple, dict[str, str]]:
+    """docs/cli.md: per command, each option name -> the default column of its row."""
+    page: dict[tuple, dict[str, str]] = {}
+    rows: dict[str, str] = {}
+    for line in (DOCS / "cli.md").read_text().replace("\\|", "/").splitlines():
+        heading = re.match(r"## `kvbench((?: [a-z]+)*)", line)
+        if heading:
+            rows = page.setdefault(tuple(w for w in heading[1].split() if w.islower()), {})
+        row = re.match(r"\|( *`-[^|]*)\|[^|]*\|([^|]*)\|", line)
+        if row:
+            for name in re.findall(r"`(-[-\w]+)`", row[1]):
+                rows[name] = row[2].strip()
+    return page
+
+
+def test_cli_page_lists_every_command_and_option_with_its_default():
+    """docs/cli.md has a section per command, a row per option (no more, no fewer), and the
+    default column shows the option's default where it has one."""
+    import typer.main
+
+    from kvbench.cli import app
+
+    group = typer.main.get_command(app)
+    page = _cli_page()
+    expected = {(): [p for p in group.params if p.opts != ["--help"]]}
+    for path, command in _commands(group):
+        expected[path] = [p for p in command.params if p.opts[0].startswith("-")]
+    assert set(page) == set(expected), "docs/cli.md: commands differ from the CLI's"
+    for path, params in expected.items():
+        names = {o for p in params for o in p.opts if o != "--help"}
+        assert set(page[path]) == names, (path, set(page[path]) ^ names)
+        for p in params:
+            shown = re.findall(r"`([^`]+)`", page[path][p.opts[0]])
+            if p.default in (None, False) or p.is_flag:
+                assert not shown, (path, p.opts[0], "no default to show")
+            elif isinstance(p.default, (int, float)):
+                assert shown and float(shown[0]) == p.default, (path, p.opts[0], p.default)
+            else:
+                assert shown and shown[0] == str(p.default), (path, p.opts[0], p.default)

@@ -152,3 +152,18 @@ def test_cli_page_lists_every_command_and_option_with_its_default():
                 assert shown and float(shown[0]) == p.default, (path, p.opts[0], p.default)
             else:
                 assert shown and shown[0] == str(p.default), (path, p.opts[0], p.default)
+
+
+def test_cli_page_names_every_field_of_trace_stats_json(tmp_path):
+    """`kvbench trace stats --json` writes `trace_stats`: docs/cli.md names each of its keys."""
+    from kvbench.traffic import open_trace, trace_stats
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, '
+                     '"hash_ids": [0, 1]}\n')
+    reader = open_trace(trace)
+    stats = trace_stats(list(reader), reader=reader)
+    row = next(line for line in (ROOT / "docs" / "cli.md").read_text().splitlines()
+               if line.startswith("| `--json` | FILE | | Write the statistics"))
+    missing = [k for k in stats if f"`{k}`" not in row]
+    assert not missing, f"docs/cli.md: trace stats --json fields not named: {missing}"

@@ -201,7 +201,8 @@ class PredictiveConfig(Section):
         8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
     shadow_sampling: int = Field(
         8, ge=0, description="One key in this many feeds the LRU and whole-boost shadow caches"
-        " that choose whether the boost applies (0: always).")
+        " that choose whether the boost applies (0: always); fewer where each shadow would"
+        " hold under 1024 keys.")
 
 
 class LRU2Config(Section):
@@ -212,7 +213,8 @@ class LRU2Config(Section):
         " blocks; the shadow counts halve every such period.")
     shadow_sampling: int = Field(
         8, ge=0, description="One key in this many feeds the LRU and LRU-2 shadow caches that"
-        " choose the order (0: always LRU-2).")
+        " choose the order (0: always LRU-2); fewer where each shadow would hold under 1024"
+        " keys.")
 
 
 class PolicyConfig(Section):

@@ -72,8 +72,7 @@ class RefScored(_Ref):
         self.L = 0
         if name == "predictive":
             self.horizon = int(params.horizon_ratio * capacity)
-            self.sampling = params.shadow_sampling
-            self.scap = max(1, capacity // self.sampling) if self.sampling else 0
+            self.sampling, self.scap = _shadow_size(capacity, params.shadow_sampling)
             # LRU order and the boosted one: key -> (stamp, class, order)
             self.shadows = [{}, {}]
             self.s_order = 0
@@ -253,8 +252,7 @@ class RefLRU2(_Ref):
         self.hist: dict = {}  # key -> (tick of its last use,)
         self.hcap = max(1, int(params.history_ratio * capacity))
         self.clock = 0
-        self.sampling = params.shadow_sampling
-        self.scap = max(1, capacity // self.sampling) if self.sampling else 0
+        self.sampling, self.scap = _shadow_size(capacity, params.shadow_sampling)
         self.s_lru: list = []
         self.s_lru2: dict = {}
         self.s_order = 0
@@ -399,6 +397,15 @@ class LoggedQueue:
         return getattr(self.inner, name)
 
 
+def _shadow_size(capacity, sampling):
+    """(keys sampled one in, shadow capacity) for a pool: one in `sampling`, fewer where the
+    shadows would hold under `MIN_SHADOW_KEYS` (0, 0: no shadows)."""
+    if not sampling:
+        return 0, 0
+    sampling = max(1, min(sampling, capacity // policy_base.MIN_SHADOW_KEYS))
+    return sampling, max(1, capacity // sampling)
+
+
 def _replay(m, logged, r) -> int:
     """One cache-mode request through manager `m` whose policy `logged` wraps, checking the
     manager's and the policy's invariants after it; returns the blocks it reused."""
@@ -445,9 +452,11 @@ def policy_scenarios(draw, name):
                          + [(n, "second_use") for n in POLICIES])
 def test_policy_matches_brute_force_reference(name, admission, backing, monkeypatch):
     """Small pools keep their key histories in a dict; `table` forces the numpy table that
-    large pools use."""
+    large pools use. Shadows of these tiny pools sample as drawn (no minimum size), so
+    sampling itself is compared too."""
     if backing == "table":
         monkeypatch.setattr(policy_base, "DICT_HISTORY_MAX", 0)
+    monkeypatch.setattr(policy_base, "MIN_SHADOW_KEYS", 1)
     @settings(max_examples=(150 if admission == "all" else 50) // (1 + (backing == "table")),
               deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -974,8 +983,8 @@ def test_predictive_shadow_matches_brute_force(releases, cap, compact):
 def test_shadow_duel_halves_counts_each_period_and_favours_the_policy_on_a_tie():
     """The counts halve once per period passed (several at once after a long release), and
     the policy's own order leads while its count is at least LRU's."""
-    duel = policy_base.ShadowDuel(capacity=80, sampling=8, period=100)
-    assert duel.capacity == 10 and duel.sampled.sum() == -(-65521 // 8)
+    duel = policy_base.ShadowDuel(capacity=80 * 1024, sampling=8, period=100)
+    assert duel.capacity == 10 * 1024 and duel.sampled.sum() == -(-65521 // 8)
     assert duel.own_leads(0)  # 0 against 0
     duel.hits = [9, 8]
     assert not duel.own_leads(99) and duel.hits == [9, 8]
@@ -983,7 +992,17 @@ def test_shadow_duel_halves_counts_each_period_and_favours_the_policy_on_a_tie()
     duel.hits = [40, 7]
     assert not duel.own_leads(350) and duel.hits == [10, 1]  # periods at 200 and 300
     assert not duel.own_leads(400) and duel.hits == [5, 0]
-    assert policy_base.ShadowDuel(capacity=3, sampling=8, period=1).capacity == 1
+
+
+def test_shadow_duel_samples_fewer_keys_where_the_pool_is_small():
+    """Each shadow holds MIN_SHADOW_KEYS keys where the pool has that many blocks (a shadow
+    of a few hundred keys measures mostly noise), else every key."""
+    size = policy_base.MIN_SHADOW_KEYS
+    for capacity, sampling, want_rate in [(16 * size, 8, 8), (4 * size, 8, 4), (size, 8, 1),
+                                          (size // 2, 8, 1), (3, 8, 1), (64 * size, 2, 2)]:
+        duel = policy_base.ShadowDuel(capacity, sampling, period=1)
+        assert duel.capacity == max(1, capacity // want_rate), (capacity, sampling)
+        assert duel.sampled.sum() == -(-65521 // want_rate), (capacity, sampling)
 
 
 def test_predictive_shadows_fall_back_to_lru_when_it_holds_more():

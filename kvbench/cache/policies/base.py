@@ -389,16 +389,24 @@ class LRUShadow:
         return held
 
 
+MIN_SHADOW_KEYS = 1024
+"""Fewest keys a shadow holds where the pool has that many blocks: one key in 8 of a
+2048-block pool is a 256-key shadow, whose hit counts are mostly noise (on agent-like traffic
+at 128K tokens `predictive` then chose wrong often enough to lose 0.64 pp to LRU; at 1024 keys
+it gains 0.27)."""
+
+
 class ShadowDuel:
     """Which of two orders suits the traffic, by miniature simulations (Waldspurger et al.,
-    USENIX ATC'17): one key in `sampling` (by `key % SAMPLE_PRIME`) is replayed against an LRU
-    shadow and a shadow of the policy's own order, each of the pool's capacity over the same
-    rate. `hits` counts the sampled keys each held when used (LRU's first); the counts halve
+    USENIX ATC'17): one key in `sampling` (by `key % SAMPLE_PRIME`; fewer where the shadows
+    would hold under `MIN_SHADOW_KEYS`) is replayed against an LRU shadow and a shadow of the
+    policy's own order, each of the pool's capacity over the same rate. `hits` counts the sampled keys each held when used (LRU's first); the counts halve
     every `period` ticks, so the comparison follows the traffic, not its whole past."""
 
     __slots__ = ("capacity", "sampled", "lru", "hits", "_period", "_halve_at")
 
     def __init__(self, capacity: int, sampling: int, period: int) -> None:
+        sampling = max(1, min(sampling, capacity // MIN_SHADOW_KEYS))
         self.capacity = max(1, capacity // sampling)
         self.sampled = np.arange(int(SAMPLE_PRIME)) % sampling == 0
         """Whether a key is sampled, by its remainder (one lookup for two remainders)."""

@@ -13,9 +13,9 @@ prefix a little while and none long enough to be reused).
 Where reuse comes back before LRU has cycled the pool, LRU-2 loses: a new turn's tail is
 once-used data until its next turn, and it goes first. So the policy measures which order
 suits the traffic, as miniature simulations do (Waldspurger et al., USENIX ATC'17): keys are
-sampled by a hash (one in `shadow_sampling`), and the sampled keys of every release are
-replayed against two shadow caches of the pool's size scaled by the same rate, one LRU and
-one LRU-2. Each counts the sampled keys it already held; the counts halve every history
+sampled by a hash (one in `shadow_sampling`, fewer in a small pool: `ShadowDuel`), and the
+sampled keys of every release are replayed against two shadow caches of the pool's size
+scaled by the same rate, one LRU and one LRU-2. Each counts the sampled keys it already held; the counts halve every history
 period (`history_ratio` pool sizes of released blocks, the span uses are remembered for), and
 the real pool evicts in the order whose shadow holds more (LRU-2 on a tie). Both orders are
 kept up to date, so switching is immediate. The shadows see keys, not chains (a sampled key

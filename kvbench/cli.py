@@ -118,8 +118,6 @@ def run(
     loaded = [load_workload(p, set_ or ()) for p in workloads]
     check_unique_names([(wl.name, str(p)) for wl, p in zip(loaded, workloads)])
     tables = err if json_out is not None and json_out.is_stdout else out
-    for wl in loaded:
-        _warn(wl)
     result = build_result([_replay(wl, repeat, quiet, tables, bool(set_)) for wl in loaded])
     if json_out is not None:
         json_out.write_text(_json_text(result))
@@ -149,7 +147,9 @@ def _replay(wl, repeat: int, quiet: bool, tables, overridden: bool) -> list:
         if header is not None:
             _say(header)
     with _progress(not quiet and wl.run.progress) as factory:
-        outcomes = [o for _ in range(repeat) for o in run_workload(wl, factory)]
+        outcomes = [o for i in range(repeat)
+                    for o in run_workload(wl, factory, planned=(lambda: _warn(wl)) if i == 0
+                                          else None)]
     if not quiet:
         print_metrics(tables, wl.name, [(o.variant, o.metrics) for o in outcomes],
                       wl.variant_differences(), overridden)
@@ -183,8 +183,8 @@ def validate(
 
     for path in workloads:
         wl = load_workload(path, set_ or ())
-        _warn(wl)
         check_workload(wl)
+        _warn(wl)
         if wl.tune is not None and not wl.variants:  # what `kvbench tune` would refuse
             prepare(TuneJob(str(path), tuple(set_ or ())))
         names = ", ".join(name for name, _ in wl.variant_workloads())

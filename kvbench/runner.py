@@ -3,6 +3,7 @@ CLI and the tuner call this."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import NoReturn
 
@@ -23,20 +24,25 @@ from .traffic.tracefile import warn
 
 @fewer_collections()
 def run_workload(workload: Workload, progress: ProgressFactory | None = None,
-                 references: References | None = None,
-                 streams: Store | None = None) -> list[RunOutcome]:
+                 references: References | None = None, streams: Store | None = None,
+                 planned: Callable[[], None] | None = None) -> list[RunOutcome]:
     """Run every variant of `workload` on the same request stream (reloaded only when a
     variant changes the requests or the seed, or needs it in memory where another streamed
     it). The variants share the reference hit rates they have in common, kept in
     `references`, and the loaded request streams, kept in `streams` (`request_streams`); a
     caller running several workloads passes its stores to share them there too, as a tune
     study does across its trials. Without `streams`, those loaded here are released at the
-    end."""
+    end. `planned` is called once the first variant is checked, before anything runs (so a
+    caller's warnings come only for a workload that runs, never before its error)."""
     refs = references if references is not None else References()
+    outcomes = []
     with _streams(streams) as kept:
-        return [(run_serve if plan.workload.run.mode == "serve" else run_cache)(
-            name, plan, requests, progress, refs.of(source))
-            for name, plan, requests, source in _variants(workload, kept)]
+        for name, plan, requests, source in _variants(workload, kept):
+            if planned is not None and not outcomes:
+                planned()
+            outcomes.append((run_serve if plan.workload.run.mode == "serve" else run_cache)(
+                name, plan, requests, progress, refs.of(source)))
+    return outcomes
 
 
 def request_streams(max_entries: int | None = None) -> Store:

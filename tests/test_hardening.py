@@ -324,6 +324,21 @@ def test_gpu_cache_larger_than_the_preset_warns(tiny, capsys):
         "H100-SXM has 79.6 GiB in all (variants: default)")
 
 
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_a_cache_refused_for_its_size_is_one_error_without_the_preset_warning(
+        tiny, capsys, command):
+    """The GPU-size warning is for a workload that runs: where the block metadata would not
+    fit this machine either, the error is the only line."""
+    code, _, err = run_cli([command, tiny, "--set", "cache.max_tokens=100000000000"], capsys)
+    assert "block metadata would take" in one_error(code, err)
+
+
+def test_the_preset_warning_comes_once_per_workload_run(tiny, capsys):
+    code, _, err = run_cli(["run", tiny, "--quiet", "--repeat", "2", "--set",
+                            "model.num_layers=64", "--set", "model.head_dim=4096", "--set",
+                            "cache.max_tokens=1048576"], capsys)
+    assert code == 0 and err.count("the GPU cache takes 1,024.0 GiB") == 1, err
+
 def test_report_on_a_non_numeric_metric_leaves_nothing(tiny, tmp_path, capsys):
     result = tmp_path / "r.json"
     assert run_cli(["run", tiny, "--json", result, "-q"], capsys)[0] == 0

@@ -5,10 +5,11 @@ An eviction policy owns the free blocks of one GPU pool that still cache reusabl
 role `FreeQueue` plays for LRU, with the calls the manager makes): `push_back_many` when a
 sequence releases blocks (in the order the manager frees them: a sequence's deepest block
 first), `push_back` when a claim is undone, `remove` when a block is claimed (a hit, or a
-partial match being taken), `pop_front_many` to choose victims, `requeue` when a block's retention
-duration ends (it moves to another level; no use), and `__len__` / `__contains__`. Retention priorities come first with every policy: victims are taken from the
-lowest priority level holding a free block, and a policy only orders the blocks inside a level
-(so traffic-carried priorities and durations compose with any policy).
+partial match being taken), `pop_front_many` to choose victims, `requeue` when a block's
+retention duration ends (it moves to another level; no use), and `__len__` / `__contains__`.
+Retention priorities come first with every policy: victims are taken from the lowest priority
+level holding a free block, and a policy only orders the blocks inside a level (so
+traffic-carried priorities and durations compose with any policy).
 
 Prefix trees: a block is only useful with its whole prefix, and evicting a parent orphans its
 children (they stay indexed, unreachable until the prefix is computed again). Every policy
@@ -397,11 +398,12 @@ it gains 0.27)."""
 
 
 class ShadowDuel:
-    """Which of two orders suits the traffic, by miniature simulations (Waldspurger et al.,
-    USENIX ATC'17): one key in `sampling` (by `key % SAMPLE_PRIME`; fewer where the shadows
-    would hold under `MIN_SHADOW_KEYS`) is replayed against an LRU shadow and a shadow of the
-    policy's own order, each of the pool's capacity over the same rate. `hits` counts the sampled keys each held when used (LRU's first); the counts halve
-    every `period` ticks, so the comparison follows the traffic, not its whole past."""
+    """Which of two orders suits the traffic, by miniature simulations (Waldspurger et al., USENIX
+    ATC'17): one key in `sampling` (by `key % SAMPLE_PRIME`; fewer where the shadows would hold
+    under `MIN_SHADOW_KEYS`) is replayed against an LRU shadow and a shadow of the policy's own
+    order, each of the pool's capacity over the same rate. `hits` counts the sampled keys each
+    held when used (LRU's first); the counts halve every `period` ticks, so the comparison
+    follows the traffic, not its whole past."""
 
     __slots__ = ("capacity", "sampled", "lru", "hits", "_period", "_halve_at")
 

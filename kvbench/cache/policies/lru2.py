@@ -11,15 +11,16 @@ traffic where most turns arrive after LRU has cycled the whole pool: LRU keeps e
 prefix a little while and none long enough to be reused).
 
 Where reuse comes back before LRU has cycled the pool, LRU-2 loses: a new turn's tail is
-once-used data until its next turn, and it goes first. So the policy measures which order
-suits the traffic, as miniature simulations do (Waldspurger et al., USENIX ATC'17): keys are
-sampled by a hash (one in `shadow_sampling`, fewer in a small pool: `ShadowDuel`), and the
-sampled keys of every release are replayed against two shadow caches of the pool's size
-scaled by the same rate, one LRU and one LRU-2. Each counts the sampled keys it already held; the counts halve every history
-period (`history_ratio` pool sizes of released blocks, the span uses are remembered for), and
-the real pool evicts in the order whose shadow holds more (LRU-2 on a tie). Both orders are
-kept up to date, so switching is immediate. The shadows see keys, not chains (a sampled key
-can hit there after its parent left): an estimate of each order's hit rate, not a replay.
+once-used data until its next turn, and it goes first. So the policy measures which order suits
+the traffic, as miniature simulations do (Waldspurger et al., USENIX ATC'17): keys are sampled
+by a hash (one in `shadow_sampling`, fewer in a small pool: `ShadowDuel`), and the sampled keys
+of every release are replayed against two shadow caches of the pool's size scaled by the same
+rate, one LRU and one LRU-2. Each counts the sampled keys it already held; the counts halve
+every history period (`history_ratio` pool sizes of released blocks, the span uses are
+remembered for), and the real pool evicts in the order whose shadow holds more (LRU-2 on a
+tie). Both orders are kept up to date, so switching is immediate. The shadows see keys, not
+chains (a sampled key can hit there after its parent left): an estimate of each order's hit
+rate, not a replay.
 
 No parameter describes the traffic: `history_ratio` is how long uses are remembered (LRU-K's
 retained information period), a multiple of the pool size as for every policy here, and it

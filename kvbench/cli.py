@@ -174,6 +174,8 @@ def validate(
     workloads: Annotated[list[Path], typer.Argument(
         metavar="WORKLOAD...", help="Workload YAML file(s).")],
     set_: SetOption = None,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="No line per valid file (the exit code says it).")] = False,
 ) -> None:
     """Check workload files (and their variants) as a run would, without running them: the
     requests are loaded (a trace read through) and every cache sized."""
@@ -187,9 +189,10 @@ def validate(
         _warn(wl)
         if wl.tune is not None and not wl.variants:  # what `kvbench tune` would refuse
             prepare(TuneJob(str(path), tuple(set_ or ())))
-        names = ", ".join(name for name, _ in wl.variant_workloads())
-        out.print(f"{path}: ok ({wl.run.mode} mode; variants: {names})", highlight=False,
-                  markup=False, soft_wrap=True)
+        if not quiet:
+            names = ", ".join(name for name, _ in wl.variant_workloads())
+            out.print(f"{path}: ok ({wl.run.mode} mode; variants: {names})", highlight=False,
+                      markup=False, soft_wrap=True)
 
 
 @app.command(epilog=_example("kvbench schema > workload.schema.json",
@@ -277,6 +280,11 @@ def compare(
         help="Also write a Markdown summary here (CI job summary, PR comment; - = standard "
              "output).",
     )] = None,
+    json_path: Annotated[Optional[Path], typer.Option(
+        "--json", metavar="FILE",
+        help="Also write the comparison as JSON here: counts by status and every row (- = "
+             "standard output).",
+    )] = None,
     timing_tolerance: Annotated[float, typer.Option(
         "--timing-tolerance", min=0,
         help="Percent a measured timing may worsen (median of repeats, same device only).",
@@ -287,14 +295,17 @@ def compare(
     quiet: QuietOption = False,
 ) -> None:
     """Compare a result with a baseline: exit 3 if a metric regressed, 2 if not comparable."""
-    from .compare import compare_files, print_comparison, to_markdown
+    from .compare import compare_files, print_comparison, to_json, to_markdown
     from .outfile import output_file
 
     markdown_out = output_file(markdown, "--markdown") if markdown is not None else None
+    json_out = output_file(json_path, "--json") if json_path is not None else None
     comparison = compare_files(base, new, timing_tolerance=timing_tolerance / 100)
     if markdown_out is not None:
         markdown_out.write_text(to_markdown(comparison))
-    if not quiet:
+    if json_out is not None:
+        json_out.write_text(_json_text(to_json(comparison)))
+    if not quiet and not (json_out is not None and json_out.is_stdout):
         print_comparison(out, comparison, show_all=show_all)
     if comparison.failures:
         raise RegressionFound(comparison.failure_line())

@@ -230,6 +230,25 @@ def _line(console, text: str) -> None:
     console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
+def to_json(comparison: Comparison) -> dict:
+    """The comparison as data (`compare --json`), for a CI step that annotates or gates on it:
+    the verdict, the counts by status, and every row of every run."""
+    c = comparison
+    return {
+        "baseline": c.base_name, "current": c.new_name,
+        "baseline_device": c.base_device, "current_device": c.new_device,
+        "same_device": c.same_device, "failing": len(c.failures), "counts": c.counts(),
+        "runs": [{"workload": run.workload, "variant": run.variant,
+                  "baseline_repeats": run.base_repeats, "current_repeats": run.new_repeats,
+                  "notes": list(run.notes),
+                  "rows": [{"metric": row.metric, "baseline": row.base, "current": row.new,
+                            "status": row.status, "tolerance": row.tolerance,
+                            "note": row.note} for row in run.rows]}
+                 for run in c.runs],
+        "unguarded": list(c.unguarded),
+    }
+
+
 def to_markdown(comparison: Comparison) -> str:
     """A job-summary / PR-comment page: verdict, the rows that are not ok, all rows folded."""
     c = comparison

@@ -96,6 +96,32 @@ def test_a_worse_result_fails_with_exit_3_naming_the_metric(result, tmp_path, ca
     assert f"`{metric}`" in summary.read_text() and "**regressed**" in summary.read_text()
 
 
+def test_json_of_a_comparison_holds_every_row_and_is_written_on_a_regression(
+        result, tmp_path, capsys):
+    m = partial_metrics(result)
+    current = edited(result, "partial", hit_rate=m["hit_rate"] - 0.01)
+    base_path, new_path = write(tmp_path / "b.json", result), write(tmp_path / "c.json", current)
+    target = tmp_path / "cmp.json"
+    code, _, _ = main(["compare", base_path, new_path, "--json", target], capsys)
+    data = json.loads(target.read_text())
+    assert code == 3 and data["failing"] == 1
+    comparison = compare_results(result, current)
+    assert data["counts"] == comparison.counts()
+    rows = {(run["variant"], row["metric"]): (row["baseline"], row["current"], row["status"])
+            for run in data["runs"] for row in run["rows"]}
+    assert rows == {(run.variant, row.metric): (row.base, row.new, row.status)
+                    for run in comparison.runs for row in run.rows}
+    assert rows[("partial", "hit_rate")] == (m["hit_rate"], m["hit_rate"] - 0.01, "regressed")
+    code, out, _ = main(["compare", base_path, base_path, "--json", "-"], capsys)
+    assert code == 0 and json.loads(out)["failing"] == 0  # standard output: the JSON alone
+
+
+def test_validate_quiet_prints_nothing_for_a_valid_file(tiny_yaml, capsys):
+    code, out, err = main(["validate", tiny_yaml, "--quiet"], capsys)
+    assert (code, out, err) == (0, "", "")
+    code, out, _ = main(["validate", tiny_yaml], capsys)
+    assert code == 0 and out.startswith(f"{tiny_yaml}: ok (")
+
 def test_a_better_result_passes_and_says_improved(result, tmp_path, capsys):
     m = partial_metrics(result)
     better = edited(result, "partial", hit_rate=m["hit_rate"] + 0.01,

@@ -245,6 +245,12 @@ def tune(
         "--heartbeat", min=1, metavar="SECONDS",
         help="Heartbeat interval; a trial silent for 3x this is failed and re-run.",
     )] = 10,
+    json_path: Annotated[Optional[Path], typer.Option(
+        "--json", metavar="FILE",
+        help="Write the study's summary as JSON: counts, objectives, best trial and Pareto "
+             "front with their parameters and metrics, the held-out check (- = standard "
+             "output).",
+    )] = None,
     holdout: Annotated[Optional[float], typer.Option(
         "--holdout", metavar="FRACTION",
         help="Tune on the first 1-FRACTION of the requests, then run the best trial and the "
@@ -260,11 +266,13 @@ def tune(
 
     if export_best is not None:
         output_file(export_best, "--export-best")
+    json_out = output_file(json_path, "--json") if json_path is not None else None
     if plots is not None:
         output_dir(plots, "--plots")
     job = TuneJob(str(workload), tuple(set_ or ()), trials, storage, study, heartbeat, holdout)
+    tables = err if json_out is not None and json_out.is_stdout else out
     code = tune_command(job, workers=workers, export_best=export_best, plots=plots, quiet=quiet,
-                        out=out, err=err)
+                        out=tables, err=err, json_out=json_out)
     if code:
         raise typer.Exit(code)
 

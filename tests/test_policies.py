@@ -4,6 +4,8 @@ every policy, and LRU untouched by the policy machinery."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -802,7 +804,8 @@ tune:
     - {metric: hit_rate, direction: maximize}
 """)
     code, out, err = run_cli(["tune", path, "--holdout", "0.25", "--storage",
-                              f"sqlite:///{tmp_path / 's.db'}"], capsys)
+                              f"sqlite:///{tmp_path / 's.db'}", "--json", tmp_path / "s.json"],
+                             capsys)
     assert code == 0, err
     assert "Held out: the last 30 of 120 requests (tuned on the first 90)" in out
     import optuna
@@ -813,6 +816,14 @@ tune:
         "requests.skip=90", "requests.limit=30", f"cache.policy.predictive.boost={best}"]))[0]
     row = next(line for line in out.splitlines() if line.strip("│ ").startswith("hit_rate"))
     assert f"{100 * held.metrics['hit_rate']:.2f}%" in row
+    summary = json.loads((tmp_path / "s.json").read_text())  # --json: the same, as data
+    assert summary["tally"]["complete"] == 3 and not summary["interrupted"]
+    assert summary["best"]["params"] == {"cache.policy.predictive.boost": best}
+    assert summary["best"]["values"] == {"hit_rate": study.best_trial.value}
+    check = summary["holdout"]
+    assert (check["tune_requests"], check["total_requests"]) == (90, 120)
+    assert [r["label"] for r in check["runs"]] == ["best trial", "as written"]
+    assert check["runs"][0]["held_out"]["hit_rate"] == held.metrics["hit_rate"]
     code, _, err = run_cli(["tune", path, "--holdout", "1.5"], capsys)
     assert code == 2 and "--holdout" in err
 

@@ -43,7 +43,7 @@ from .plan import (ABORTED, COMPLETE, COUNTED_FAILURES, FAILED, INTERRUPTED, INV
 from .storage import display_url, is_in_memory, lock_is_exact, open_storage, study_lock
 from .study import (WorkersResult, _interrupt_once, create_study, make_sampler, run_worker,
                     run_workers, worker_id, worker_seed)
-from .summary import Summary, Tally, export_best, summarize, tally, write_plots
+from .summary import Summary, Tally, export_best, summarize, summary_data, tally, write_plots
 
 __all__ = [
     "ABORTED", "COMPLETE", "COUNTED_FAILURES", "FAILED", "INTERRUPTED", "INVALID", "MAX_RETRY",
@@ -51,5 +51,5 @@ __all__ = [
     "_interrupt_once", "constraint_values", "create_study", "default_storage", "display_url",
     "export_best", "holdout_runs", "holdout_split", "is_feasible", "is_in_memory", "lock_is_exact", "make_sampler",
     "metric_value", "open_storage", "prepare", "run_worker", "run_workers", "study_lock",
-    "summarize", "tally", "trial_workload", "worker_id", "worker_seed", "write_plots",
+    "summarize", "summary_data", "tally", "trial_workload", "worker_id", "worker_seed", "write_plots",
 ]

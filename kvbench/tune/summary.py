@@ -119,6 +119,33 @@ def summarize(plan: Plan, trials: Sequence[FrozenTrial]) -> Summary:
     return Summary(list(trials), tally(plan, trials), feasible, front, best)
 
 
+def summary_data(plan: Plan, summary: Summary, holdout: list | None, *,
+                 interrupted: bool) -> dict:
+    """`kvbench tune --json`: the study's counts, objectives, best trial and Pareto front
+    (each trial's number, parameters, objective values and run metrics) and, with
+    `--holdout`, the held-out check (`HoldoutRun`s: the best trial, then the workload as
+    written)."""
+    def trial(t: FrozenTrial) -> dict:
+        return {"number": t.number, "params": plan.decoded_params(t),
+                "values": dict(zip(plan.metric_names, t.values)),
+                "metrics": t.user_attrs.get("metrics", {})}
+
+    split = plan.holdout
+    return {
+        "study": plan.study_name,
+        "trials": plan.n_trials,
+        "interrupted": interrupted,
+        "tally": dataclasses.asdict(summary.tally),
+        "objectives": [{"metric": m, "direction": d}
+                       for m, d in zip(plan.metric_names, plan.directions)],
+        "best": trial(summary.best) if summary.best is not None else None,
+        "pareto": [trial(t) for t in summary.pareto],
+        "holdout": None if split is None or holdout is None else {
+            "tune_requests": split.tune_requests, "total_requests": split.total_requests,
+            "runs": [dataclasses.asdict(run) for run in holdout]},
+    }
+
+
 def export_best(plan: Plan, trial: FrozenTrial, path: str | Path) -> Path:
     """Write the trial's workload as a ready-to-run YAML: the keys the workload file and --set
     gave, with the trial's values; trace paths rebased on the new file's folder; no tune:

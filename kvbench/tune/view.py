@@ -5,6 +5,7 @@ package."""
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 from collections.abc import Sequence
 from pathlib import Path
@@ -250,8 +251,10 @@ def _signals_as_interrupt():
 
 
 def tune_command(job: T.TuneJob, *, workers: int, export_best: Path | None,
-                 plots: Path | None, quiet: bool, out: Console, err: Console) -> int:
-    """`kvbench tune`: run the study, show it, export; returns the exit code."""
+                 plots: Path | None, quiet: bool, out: Console, err: Console,
+                 json_out=None) -> int:
+    """`kvbench tune`: run the study, show it, export (`json_out`: an `OutputFile` for the
+    summary's data); returns the exit code."""
     plan = T.prepare(job)
     if workers > 1 and T.is_in_memory(plan.storage_url):
         raise InputError("--workers: an in-memory storage cannot be shared; give --storage")
@@ -272,10 +275,14 @@ def tune_command(job: T.TuneJob, *, workers: int, export_best: Path | None,
             _print_wide(out, pareto_table(plan, summary))
         else:
             out.print("no feasible complete trial yet")
+    runs = None
     if plan.holdout is not None and summary.best is not None and not interrupted:
         runs = T.holdout_runs(plan, summary.best)
         if not quiet:
             _print_wide(out, holdout_table(plan, runs))
+    if json_out is not None:
+        data = T.summary_data(plan, summary, runs, interrupted=interrupted)
+        json_out.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
     if interrupted:
         err.print(f"interrupted: {summary.tally.finished} of {plan.n_trials} trials kept; "
                   "run the same command to resume")

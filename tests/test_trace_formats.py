@@ -244,6 +244,45 @@ def test_weka_jsonl_of_conversations_with_absolute_subagent_times(tmp_path, caps
         "traces.jsonl:2: 'type' must be one of \"n\", \"s\", \"subagent\", got \"x\"")
 
 
+def test_weka_jsonl_lines_name_their_line_and_hold_one_value_each(tmp_path, capsys):
+    """A JSONL line that is not a conversation names its own line (not line 1); two values on
+    one line are refused (neither JSON nor JSONL), and an empty `.jsonl` is zero conversations
+    (an empty `.json` is still no document)."""
+    doc = json.dumps(weka_doc(requests=[WEKA_REQ]))
+    path = tmp_path / "traces.jsonl"
+    for second, where in (("[1, 2]", "2: expected a JSON object (one conversation), got an array"),
+                          ("5", "2: expected a JSON object (one conversation), got a number")):
+        path.write_text(f"{doc}\n{second}\n")
+        code, _, err = run_cli(["trace", "stats", path, "--format", "weka"], capsys)
+        assert code == 2 and err.strip() == f"kvbench: error: {path}:{where}"
+    path.write_text(f"{doc} {doc}\n")
+    code, _, err = run_cli(["trace", "stats", path, "--format", "weka"], capsys)
+    assert code == 2 and err.strip() == (
+        f"kvbench: error: {path}:1: invalid JSON at column {len(doc) + 2}: extra data after a "
+        "value (one JSON value a line)")
+    folder = tmp_path / "w"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("")
+    (folder / "b.jsonl").write_text("\n\r\n")
+    (folder / "c.json").write_text(json.dumps(weka_doc(requests=[WEKA_REQ]), indent=1))
+    assert [r.input_length for r in read(folder, "weka")] == [9]
+    (folder / "d.json").write_text("")
+    code, _, err = run_cli(["trace", "stats", folder], capsys)
+    assert code == 2 and err.strip() == (
+        f"kvbench: error: {folder / 'd.json'}:1: invalid JSON at column 1: Expecting value")
+
+
+def test_weka_unit_warning_once_for_the_whole_input(tmp_path):
+    """'later lines not reported' holds across the conversations of a JSONL and a folder."""
+    late = [bad(WEKA_REQ, t=2e11)]
+    path = write(tmp_path / "traces.jsonl", *(weka_doc(requests=late) for _ in range(3)))
+    with pytest.warns(TraceWarning) as caught:
+        read(path, "weka", limit=1)
+    assert [str(w.message) for w in caught] == [
+        f"{path}:1: 't' 2e+11 looks like Unix time in milliseconds, but this format takes "
+        "seconds (later lines not reported)"]
+
+
 def test_token_ids_exact_sharing(tmp_path):
     prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     path = write(tmp_path / "t.jsonl", *({"task_id": i, "input_ids": p, "output_tokens": 2}

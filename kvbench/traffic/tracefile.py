@@ -20,6 +20,8 @@ import json.decoder
 import json.scanner
 import lzma
 import math
+import re
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -152,12 +154,13 @@ class LocatedDict(dict):
     line: int = 0
 
 
-def load_located_json(path: Path) -> list:
-    """The JSON values of a file, its objects `LocatedDict`s so that a problem deep inside a
-    conversation still names its line: one value for a JSON document, one a line for JSONL
-    (weka conversations come as a file each, or as one `traces.jsonl` of a conversation a line).
-    Uses json's pure-Python scanner (per-file JSON is small; JSONL traces of requests use
-    `jsonl_records`)."""
+def load_located_json(path: Path, lines: bool = False) -> list[tuple[int, Any]]:
+    """(line, value) of every JSON value of a file, its objects `LocatedDict`s so that a problem
+    deep inside a conversation still names its line: one value for a JSON document, one a line
+    for JSONL (weka conversations come as a file each, or as one `traces.jsonl` of a
+    conversation a line). Values follow one another on separate lines; a file with none is
+    invalid unless `lines` (JSONL: zero lines is zero records). Uses json's pure-Python scanner
+    (per-file JSON is small; JSONL traces of requests use `jsonl_records`)."""
     with open_binary(path) as f:
         raw = f.read()
     try:
@@ -167,10 +170,16 @@ def load_located_json(path: Path) -> list:
         raise fail(str(path), line, "not UTF-8 text") from None
     decoder = json.JSONDecoder()
 
+    def line_at(i: int) -> int:
+        return text.count("\n", 0, i) + 1
+
+    def column_at(i: int) -> int:
+        return i - text.rfind("\n", 0, i)
+
     def parse_object(s_and_end, *args, **kw):
         obj, end = json.decoder.JSONObject(s_and_end, *args, **kw)
         located = LocatedDict(obj)
-        located.line = text.count("\n", 0, s_and_end[1]) + 1
+        located.line = line_at(s_and_end[1])
         return located, end
 
     decoder.parse_object = parse_object
@@ -178,15 +187,34 @@ def load_located_json(path: Path) -> list:
     values = []
     end = _skip_space(text, 0)
     try:
-        while end < len(text) or not values:
-            value, end = decoder.raw_decode(text, end)
-            values.append(value)
+        while end < len(text) or not (values or lines):
+            start = end
+            value, end = decoder.raw_decode(text, start)
+            values.append((line_at(start), value))
+            gap = _INLINE_SPACE.match(text, end).end()
+            if gap < len(text) and text[gap] != "\n":
+                raise fail(str(path), line_at(gap), f"invalid JSON at column {column_at(gap)}: "
+                           "extra data after a value (one JSON value a line)")
             end = _skip_space(text, end)
     except json.JSONDecodeError as e:
         raise fail(str(path), e.lineno, f"invalid JSON at column {e.colno}: {e.msg}") from None
     except RecursionError:
         raise InputError(f"{path}: JSON nested too deeply for a trace file") from None
+    except ValueError:  # an integer past Python's digit limit for str -> int
+        at = _long_integer(text, start)
+        raise fail(str(path), line_at(at), f"invalid JSON at column {column_at(at)}: "
+                   f"{_LONG_INTEGER}") from None
     return values
+
+
+_INLINE_SPACE = re.compile(r"[ \t\r]*")
+_LONG_INTEGER = f"an integer of more than {sys.get_int_max_str_digits()} digits"
+
+
+def _long_integer(text: str, start: int) -> int:
+    """Where the first integer too long for Python's str -> int starts, from `start`."""
+    found = re.compile(r"\d{%d,}" % (sys.get_int_max_str_digits() + 1)).search(text, start)
+    return found.start() if found else start
 
 
 def _skip_space(text: str, i: int) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -449,6 +450,35 @@ def test_jsonl_not_json_or_not_utf8(tmp_path, capsys, fmt, ok):
     path.write_bytes(json.dumps(ok).encode() + b'\n{"x": "\xff"}\n')
     code, _, err = run_cli(["trace", "stats", path, "--format", fmt], capsys)
     assert code == 2 and err.strip().endswith(f"{path}:2: not UTF-8 text")
+
+
+def test_integers_too_long_or_too_large_are_bad_input(tmp_path, capsys):
+    """JSON integers have no size limit: one past float's range is a time too late, one past
+    Python's str -> int digit limit is invalid JSON at its line and column, in every reader and
+    while sniffing (both crashed with exit 1)."""
+    digits = sys.get_int_max_str_digits()
+    if not digits:
+        pytest.skip("no digit limit in this Python")
+    huge, endless = "1" + "0" * 400, "1" + "0" * digits
+    cases = [
+        ("m.jsonl", json.dumps(MOONCAKE_OK) + "\n" + json.dumps(MOONCAKE_OK).replace(
+            '"timestamp": 0', f'"timestamp": {huge}'),
+         f"2: 'timestamp' must be at most 1e+15, got {huge[:37]}..."),
+        ("m.jsonl", '{"timestamp": 0, "input_length": %s, "output_length": 1}' % endless,
+         f"1: invalid JSON at column 34: an integer of more than {digits} digits"),
+        ("w.json", json.dumps(weka_doc(requests=[WEKA_REQ]), indent=1).replace(
+            '"t": 0', f'"t": {huge}'), f"12: 't' must be at most 1e+15, got {huge[:37]}..."),
+        ("w.json", json.dumps(weka_doc(requests=[WEKA_REQ]), indent=1).replace(
+            '"in": 9', f'"in": {endless}'),
+         f"16: invalid JSON at column 10: an integer of more than {digits} digits"),
+        ("w.jsonl", json.dumps(weka_doc(requests=[WEKA_REQ])).replace(
+            '"in": 9', f'"in": {huge}'), f"1: 'in' must be in [1, 16777215], got {huge[:37]}..."),
+    ]
+    for name, text, message in cases:
+        path = tmp_path / name
+        path.write_text(text + "\n")
+        code, out, err = run_cli(["trace", "stats", path], capsys)
+        assert (code, err.strip()) == (2, f"kvbench: error: {path}:{message}"), name
 
 
 WEKA_REQ = {"t": 0, "type": "n", "model": "big", "in": 9, "out": 2, "hash_ids": [1, 2]}

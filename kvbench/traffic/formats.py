@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from kvbench.errors import InputError
@@ -47,7 +48,7 @@ def sniff(path: Path) -> tuple[str, str]:
     obj = None
     if first.lstrip().startswith("{"):
         try:
-            obj = json.loads(first)
+            obj = json.loads(first, parse_int=_sniff_int)
         except (json.JSONDecodeError, RecursionError):
             obj = _whole_json(path)
     if isinstance(obj, dict):
@@ -69,9 +70,16 @@ def _whole_json(path: Path):
     if len(raw) > _WHOLE_JSON_BYTES:
         return None
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_int=_sniff_int)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return None
+
+
+def _sniff_int(text: str) -> int | float:
+    """A JSON integer while sniffing, which needs only the keys: one too long for Python's
+    str -> int is not a reason to say nothing (the reader then names its line)."""
+    digits = sys.get_int_max_str_digits()
+    return int(text) if not digits or len(text) <= digits else float(text)
 
 
 def _by_keys(obj: dict) -> tuple[str, str] | None:

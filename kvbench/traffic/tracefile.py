@@ -143,6 +143,10 @@ def parse_json_object(raw: bytes) -> dict:
         raise BadField(f"invalid JSON at column {e.colno}: {e.msg}") from None
     except RecursionError:
         raise BadField("JSON nested too deeply for a trace record") from None
+    except ValueError:  # an integer past Python's digit limit for str -> int
+        text = raw.decode("utf-8", errors="replace")
+        raise BadField(f"invalid JSON at column {_long_integer(text, 0) + 1}: "
+                       f"{_LONG_INTEGER}") from None
     if not isinstance(obj, dict):
         raise BadField(f"expected a JSON object, got {json_type(obj)}")
     return obj
@@ -155,12 +159,9 @@ class LocatedDict(dict):
 
 
 def load_located_json(path: Path, lines: bool = False) -> list[tuple[int, Any]]:
-    """(line, value) of every JSON value of a file, its objects `LocatedDict`s so that a problem
-    deep inside a conversation still names its line: one value for a JSON document, one a line
-    for JSONL (weka conversations come as a file each, or as one `traces.jsonl` of a
-    conversation a line). Values follow one another on separate lines; a file with none is
-    invalid unless `lines` (JSONL: zero lines is zero records). Uses json's pure-Python scanner
-    (per-file JSON is small; JSONL traces of requests use `jsonl_records`)."""
+    """(line, value) of each JSON value of a file (a document, or JSONL: a weka conversation a
+    line), its objects `LocatedDict`s so that a problem deep inside one names its line. No file
+    is empty unless `lines` (JSONL: zero records); json's pure-Python scanner."""
     with open_binary(path) as f:
         raw = f.read()
     try:
@@ -258,9 +259,9 @@ def check_int(key: str, value: Any, low: int, high: int | None = None) -> int:
     if type(value) is not int:
         raise BadField(f"'{key}' must be an integer, got {show(value)}")
     if high is not None and not low <= value <= high:
-        raise BadField(f"'{key}' must be in [{low}, {high}], got {value}")
+        raise BadField(f"'{key}' must be in [{low}, {high}], got {show(value)}")
     if value < low:
-        raise BadField(f"'{key}' must be >= {low}, got {value}")
+        raise BadField(f"'{key}' must be >= {low}, got {show(value)}")
     return value
 
 
@@ -272,12 +273,14 @@ def need_number(obj: dict, key: str, unit: str) -> float:
 def check_number(key: str, value: Any, unit: str) -> float:
     """A time in `unit`: a finite number >= 0, at most `MAX_TIME_FIELD` (arrivals are checked
     against `MAX_TIME_S` once `requests.time_scale` applies)."""
-    if type(value) not in (int, float) or not math.isfinite(value):
+    # An int is finite however large (math.isfinite and :g would overflow converting it).
+    if type(value) not in (int, float) or (type(value) is float and not math.isfinite(value)):
         raise BadField(f"'{key}' must be a number ({unit}), got {show(value)}")
     if value < 0:
-        raise BadField(f"'{key}' must be >= 0, got {value}")
+        raise BadField(f"'{key}' must be >= 0, got {show(value)}")
     if value > MAX_TIME_FIELD:
-        raise BadField(f"'{key}' must be at most {MAX_TIME_FIELD:g}, got {value:g}")
+        got = f"{value:g}" if value < 1e308 else show(value)
+        raise BadField(f"'{key}' must be at most {MAX_TIME_FIELD:g}, got {got}")
     return value
 
 
@@ -362,7 +365,6 @@ class ChainedIds:
             raise BadField(f"more than {MAX_DENSE_ID + 1 - self._start} distinct trace blocks")
         self._next = dense + 1
         return dense
-
 
 
 class Cover:

@@ -680,6 +680,21 @@ def test_auto_sniffs_every_sample_and_explains_a_mismatch(tmp_path, capsys):
     assert code == 2 and "cannot tell the trace format from the first record" in err
 
 
+
+def test_a_request_id_with_aiperf_times_is_mooncake_not_servegen(tmp_path):
+    """ServeGen has no times; an AIPerf Mooncake record with a `request_id` times itself with
+    `delay` or `session_id` in place of `timestamp`, and sniffing it as ServeGen refused it
+    ('missing field type')."""
+    for times in ({"timestamp": 0}, {"delay": 0}, {"session_id": "s1"},
+                  {"session_id": "s1", "delay": 5}):
+        record = {"request_id": "r0", **times, "input_length": 600, "output_length": 1}
+        path = write(tmp_path / "m.jsonl", record, {**record, "request_id": "r1"})
+        assert sniff(path)[0] == "mooncake", times
+        assert [r.input_length for r in read(path, "auto")] == [600, 600]
+    stat = {"request_id": 0, "type": "text", "input_length": 600, "output_length": 1,
+            "duration": 10}
+    assert sniff(write(tmp_path / "s.jsonl", stat))[0] == "servegen"
+
 def test_unit_warnings_name_the_line(tmp_path):
     path = write(tmp_path / "m.jsonl", MOONCAKE_OK, bad(MOONCAKE_OK, timestamp=1.7e9),
                  bad(MOONCAKE_OK, timestamp=1.8e9))

@@ -21,6 +21,7 @@ READERS: dict[str, type[TraceReader]] = {
 }
 FORMATS = ("auto", *READERS)
 _SNIFF_BYTES = 1 << 16
+_MOONCAKE_TIMES = frozenset(("timestamp", "delay", "session_id"))
 _WHOLE_JSON_BYTES = 64 << 20
 
 
@@ -90,8 +91,9 @@ def _by_keys(obj: dict) -> tuple[str, str] | None:
         return "token_ids", "a token-id trace (`input_ids`)"
     if "chat_id" in obj or "parent_chat_id" in obj:
         return "bailian", "a Bailian trace (`chat_id`, `parent_chat_id`)"
-    # ServeGen's stat traces have no hash_ids: `request_id` without a time is what they share.
-    if "img_ids" in obj or ("request_id" in obj and "timestamp" not in obj):
+    # ServeGen's stat traces have no hash_ids: `request_id` without a time is what they share
+    # (Mooncake's `timestamp`, or AIPerf's `delay` / `session_id` in its place).
+    if "img_ids" in obj or ("request_id" in obj and not _MOONCAKE_TIMES & obj.keys()):
         return "servegen", "a ServeGen trace (`request_id`, no `timestamp`)"
     if "hash_ids" in obj or "input_length" in obj:
         keys = [k for k in ("timestamp", "delay", "session_id", "hash_ids") if k in obj]

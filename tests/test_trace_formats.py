@@ -169,6 +169,9 @@ def test_servegen_stat_traces(tmp_path, capsys):
     assert [(r.arrival_s, r.input_length, r.output_length) for r in reqs] == [
         (0, 61, 2370), (0, 54, 2031)]
     assert reader.without_ids == 2
+    # No record has ids: no length convention to report (it said "every input_length a
+    # multiple of 16" of lengths 61 and 54).
+    assert reader.convention() == "none (no record has hash_ids)"
     assert_matches_brute_force(reqs, expand([(None, ["a"], 61), (None, ["b"], 54)], block=16))
     write(path, {"request_id": 0, "type": "text", "input_length": 61, "output_length": -1})
     code, _, err = run_cli(["trace", "stats", path], capsys)

@@ -414,10 +414,12 @@ class Cover:
         return fits == "floor"
 
     def detected(self) -> str:
-        """What the lines showed: `ceil`, `floor`, or either when every length was a multiple
-        of the block size."""
+        """What the lines showed: `ceil`, `floor`, either when every length was a multiple
+        of the block size, or none when no line had ids."""
         if self.decided_at is not None:
             return self.decided
+        if not self.lines:  # no record had hash ids (ServeGen stat traces, AIPerf without ids)
+            return "none (no record has hash_ids)"
         return f"ceil or floor (every input_length a multiple of {self.block})"
 
 

@@ -332,6 +332,11 @@ def test_lengths_csv_skips_and_counts_rows_without_prompt_tokens(tmp_path, capsy
                      "5,ChatGPT,472,18,490,Conversation log\n4,GPT-4,0,0,0,API log\n")
     code, _, err = run_cli(["trace", "stats", burst], capsys)
     assert code == 2 and "burst.csv:3: 'Timestamp' 4 is before the previous row's" in err
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                     "1_0,ChatGPT,472,18,490,Conversation log\n")
+    code, _, err = run_cli(["trace", "stats", burst], capsys)
+    assert code == 2 and err.strip() == (
+        f"kvbench: error: {burst}:2: 'Timestamp' must be seconds or a date and time, got '1_0'")
 
 # --- id remapping --------------------------------------------------------------------------------
 
@@ -564,6 +569,12 @@ CSV_BAD = [
     ("2023-11-16 18:15:47+00:00,374,44", "'TIMESTAMP' '2023-11-16 18:15:47+00:00': expected a "
                                          "date and time without a zone like the rows before"),
     ("1e300,374,44", "'TIMESTAMP' must be a number of seconds in [0, 1e+15], got '1e300'"),
+    # int() and float() take digit groups and non-ASCII digits (read as 374, 12 and 10 s).
+    ("2023-11-16 18:15:47,3_74,44", "'ContextTokens' must be an integer, got '3_74'"),
+    ("2023-11-16 18:15:47,374,\u0661\u0662", "'GeneratedTokens' must be an integer, got "
+                                               "'\u0661\u0662'"),
+    ("2023-11-16 18:15:47," + "9" * 5000 + ",44",
+     "'ContextTokens' must be in [0, 16777215], got " + "9" * 37 + "..."),
 ]
 
 

@@ -152,14 +152,18 @@ def count_workload_requests(wl: Workload) -> int:
     r = wl.requests
     if r.source != "trace" or r.skip:  # generated, or cut by `load_traffic`: counted loaded
         return len(_load(wl))
-    count = sum(1 for _ in workload_trace(r, base_dir=_base_dir(wl), seed=wl.run.seed))
+    reader = workload_trace(r, base_dir=_base_dir(wl), seed=wl.run.seed)
+    count = sum(1 for _ in reader)
     if not count:
-        _empty(wl)
+        _empty(wl, reader)
     return count
 
 
-def _empty(wl: Workload) -> NoReturn:
-    raise InputError(f"{where(wl)}: requests: the request stream is empty")
+def _empty(wl: Workload, reader=None) -> NoReturn:
+    skipped = getattr(reader, "without_prompt", 0)
+    why = (f" ({skipped:,} trace record{'s' if skipped > 1 else ''} skipped: no prompt tokens)"
+           if skipped else "")
+    raise InputError(f"{where(wl)}: requests: the request stream is empty{why}")
 
 
 def _streamable(wl: Workload) -> bool:
@@ -188,7 +192,7 @@ def _load(wl: Workload, stream: bool = False) -> RequestList | SpilledTrace:
     if requests is None:
         requests, reader = load_traffic(wl.requests, base_dir=base, seed=wl.run.seed)
     if not len(requests):
-        _empty(wl)
+        _empty(wl, reader)
     if reader is not None and reader.without_prompt:
         warn(f"{reader.path}: skipped the records with no prompt tokens (nothing to prefill "
              f"or cache): {reader.without_prompt:,}")

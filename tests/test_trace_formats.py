@@ -337,6 +337,17 @@ def test_lengths_csv_skips_and_counts_rows_without_prompt_tokens(tmp_path, capsy
     code, _, err = run_cli(["trace", "stats", burst], capsys)
     assert code == 2 and err.strip() == (
         f"kvbench: error: {burst}:2: 'Timestamp' must be seconds or a date and time, got '1_0'")
+    # Every row without prompt tokens: a run says why its stream is empty.
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                     "5,ChatGPT,0,0,0,Conversation log\n7,GPT-4,0,0,0,API log\n")
+    workload = tmp_path / "w.yaml"
+    workload.write_text("model: {num_layers: 2, num_kv_heads: 1, num_q_heads: 1, head_dim: 8}\n"
+                        "requests: {source: trace, path: burst.csv}\nrun: {mode: serve}\n")
+    for command in ("run", "validate"):
+        code, _, err = run_cli([command, workload], capsys)
+        assert code == 2 and err.strip().splitlines()[-1] == (
+            f"kvbench: error: {workload}: requests: the request stream is empty (2 trace "
+            "records skipped: no prompt tokens)"), command
 
 # --- id remapping --------------------------------------------------------------------------------
 

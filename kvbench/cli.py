@@ -344,8 +344,9 @@ def calibrate(
     # A given --out is checked before minutes of measuring (the default one is named after
     # the GPU measured, so it is checked when known).
     target = output_file(out_path, "--out") if out_path is not None else None
-    wl = (load_workload(workload, set_ or ()) if workload is not None
-          else default_workload(set_ or ()))
+    reads = ("scheduler.max_batch_size",)  # measured whatever the workload's run.mode
+    wl = (load_workload(workload, set_ or (), reads) if workload is not None
+          else default_workload(set_ or (), reads))
     import torch
 
     if not torch.cuda.is_available():

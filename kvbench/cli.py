@@ -147,9 +147,8 @@ def _replay(wl, repeat: int, quiet: bool, tables, overridden: bool) -> list:
         if header is not None:
             _say(header)
     with _progress(not quiet and wl.run.progress) as factory:
-        outcomes = [o for i in range(repeat)
-                    for o in run_workload(wl, factory, planned=(lambda: _warn(wl)) if i == 0
-                                          else None)]
+        checked = _warner(wl)
+        outcomes = [o for _ in range(repeat) for o in run_workload(wl, factory, checked=checked)]
     if not quiet:
         print_metrics(tables, wl.name, [(o.variant, o.metrics) for o in outcomes],
                       wl.variant_differences(), overridden)
@@ -159,8 +158,27 @@ def _replay(wl, repeat: int, quiet: bool, tables, overridden: bool) -> list:
 def _warn(workload) -> None:
     from .runner import workload_warnings
 
-    for warning in workload_warnings(workload):
+    for _, warning in workload_warnings(workload):
         _say(f"kvbench: warning: {warning}")
+
+
+def _warner(workload):
+    """`run_workload`'s `checked` hook: a warning comes when the first variant it names is
+    checked, so never for a variant refused before it runs (the error says it all), and once
+    however many times the workload runs (--repeat)."""
+    from .runner import workload_warnings
+
+    pending = None
+
+    def checked(variant: str) -> None:
+        nonlocal pending
+        if pending is None:
+            pending = workload_warnings(workload)
+        for item in [w for w in pending if variant in w[0]]:
+            pending.remove(item)
+            _say(f"kvbench: warning: {item[1]}")
+
+    return checked
 
 
 def _json_text(data: dict) -> str:

@@ -13,6 +13,7 @@ has, so they share nothing.
 
 from __future__ import annotations
 
+import bisect
 import bz2
 import gzip
 import json
@@ -170,18 +171,21 @@ def load_located_json(path: Path, lines: bool = False) -> list[tuple[int, Any]]:
         line = raw.count(b"\n", 0, e.start) + 1
         raise fail(str(path), line, "not UTF-8 text") from None
     decoder = json.JSONDecoder()
+    # Line starts, bisected (counting newlines from the top for each object was quadratic).
+    starts = [0, *(m.end() for m in re.finditer("\n", text))]
 
     def line_at(i: int) -> int:
-        return text.count("\n", 0, i) + 1
-
-    def column_at(i: int) -> int:
-        return i - text.rfind("\n", 0, i)
+        return bisect.bisect_right(starts, i)
 
     def parse_object(s_and_end, *args, **kw):
         obj, end = json.decoder.JSONObject(s_and_end, *args, **kw)
         located = LocatedDict(obj)
         located.line = line_at(s_and_end[1])
         return located, end
+
+    def invalid(i: int, what: str) -> InputError:
+        line = line_at(i)
+        return fail(str(path), line, f"invalid JSON at column {i - starts[line - 1] + 1}: {what}")
 
     decoder.parse_object = parse_object
     decoder.scan_once = json.scanner.py_make_scanner(decoder)
@@ -194,17 +198,14 @@ def load_located_json(path: Path, lines: bool = False) -> list[tuple[int, Any]]:
             values.append((line_at(start), value))
             gap = _INLINE_SPACE.match(text, end).end()
             if gap < len(text) and text[gap] != "\n":
-                raise fail(str(path), line_at(gap), f"invalid JSON at column {column_at(gap)}: "
-                           "extra data after a value (one JSON value a line)")
+                raise invalid(gap, "extra data after a value (one JSON value a line)")
             end = _skip_space(text, end)
     except json.JSONDecodeError as e:
         raise fail(str(path), e.lineno, f"invalid JSON at column {e.colno}: {e.msg}") from None
     except RecursionError:
         raise InputError(f"{path}: JSON nested too deeply for a trace file") from None
     except ValueError:  # an integer past Python's digit limit for str -> int
-        at = _long_integer(text, start)
-        raise fail(str(path), line_at(at), f"invalid JSON at column {column_at(at)}: "
-                   f"{_LONG_INTEGER}") from None
+        raise invalid(_long_integer(text, start), _LONG_INTEGER) from None
     return values
 
 

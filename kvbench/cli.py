@@ -517,8 +517,8 @@ def trace_convert_cmd(
         n, block = convert(_open_trace(trace, fmt, block_tokens, cover, sessions), target, to,
                            out_block_tokens)
     if not quiet and not target.is_stdout:
-        how = (f"requests.format: mooncake, requests.block_tokens: {block}" if to == "mooncake"
-               else "requests.format: token_ids")
+        how = (f"requests.format: {to}" + (f", requests.block_tokens: {block}"  # None: no ids
+                                            if to == "mooncake" and block is not None else ""))
         _say(f"wrote {n:,} requests to {output}; read it with {how}")
 
 

@@ -361,6 +361,11 @@ def test_lengths_csv_skips_and_counts_rows_without_prompt_tokens(tmp_path, capsy
         assert code == 2 and err.strip().splitlines()[-1] == (
             f"kvbench: error: {workload}: requests: the request stream is empty (2 trace "
             "records skipped: no prompt tokens)"), command
+    # Converted, it is empty: no block size to read it with (it said block_tokens: None).
+    out = tmp_path / "out.jsonl"
+    code, _, err = run_cli(["trace", "convert", burst, out], capsys)
+    assert code == 0 and out.read_text() == "" and err.strip() == (
+        f"wrote 0 requests to {out}; read it with requests.format: mooncake")
 
 # --- id remapping --------------------------------------------------------------------------------
 

@@ -738,6 +738,18 @@ def test_a_request_id_with_aiperf_times_is_mooncake_not_servegen(tmp_path):
             "duration": 10}
     assert sniff(write(tmp_path / "s.jsonl", stat))[0] == "servegen"
 
+
+def test_a_first_line_longer_than_the_sniffed_bytes_is_still_sniffed(tmp_path):
+    """Sniffing reads 64 KiB; a first JSONL line past them (a traces.jsonl conversation of a
+    few thousand requests, a prompt of 20,000 ids) was 'cannot tell the trace format'."""
+    convo = weka_doc(requests=[{**WEKA_REQ, "t": i} for i in range(1000)])
+    path = write(tmp_path / "traces.jsonl", convo, convo)
+    assert sniff(path)[0] == "weka" and len(read(path, "auto")) == 2000
+    record = {"timestamp": 0, "input_length": 512 * 20000, "output_length": 1,
+              "hash_ids": list(range(20000))}
+    path = write(tmp_path / "m.jsonl", record, record)
+    assert sniff(path)[0] == "mooncake" and len(read(path, "auto")) == 2
+
 def test_unit_warnings_name_the_line(tmp_path):
     path = write(tmp_path / "m.jsonl", MOONCAKE_OK, bad(MOONCAKE_OK, timestamp=1.7e9),
                  bad(MOONCAKE_OK, timestamp=1.8e9))

@@ -65,15 +65,18 @@ def sniff(path: Path) -> tuple[str, str]:
 
 
 def _whole_json(path: Path):
-    """A JSON document spread over lines (one weka conversation file)."""
+    """A first record longer than the bytes sniffed: a JSON document spread over lines (one
+    weka conversation file), else a long first line (a traces.jsonl conversation, a prompt of
+    many ids)."""
     with open_binary(path) as f:
         raw = f.read(_WHOLE_JSON_BYTES + 1)
-    if len(raw) > _WHOLE_JSON_BYTES:
-        return None
-    try:
-        return json.loads(raw, parse_int=_sniff_int)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        return None
+    for text in (raw, raw.lstrip().split(b"\n", 1)[0]):
+        if len(text) <= _WHOLE_JSON_BYTES:
+            try:
+                return json.loads(text, parse_int=_sniff_int)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                pass
+    return None
 
 
 def _sniff_int(text: str) -> int | float:

@@ -147,9 +147,8 @@ def _replay(wl, repeat: int, quiet: bool, tables, overridden: bool) -> list:
         if header is not None:
             _say(header)
     with _progress(not quiet and wl.run.progress) as factory:
-        outcomes = [o for i in range(repeat)
-                    for o in run_workload(wl, factory, planned=(lambda: _warn(wl)) if i == 0
-                                          else None)]
+        checked = _warner(wl)
+        outcomes = [o for _ in range(repeat) for o in run_workload(wl, factory, checked=checked)]
     if not quiet:
         print_metrics(tables, wl.name, [(o.variant, o.metrics) for o in outcomes],
                       wl.variant_differences(), overridden)
@@ -159,8 +158,27 @@ def _replay(wl, repeat: int, quiet: bool, tables, overridden: bool) -> list:
 def _warn(workload) -> None:
     from .runner import workload_warnings
 
-    for warning in workload_warnings(workload):
+    for _, warning in workload_warnings(workload):
         _say(f"kvbench: warning: {warning}")
+
+
+def _warner(workload):
+    """`run_workload`'s `checked` hook: a warning comes when the first variant it names is
+    checked, so never for a variant refused before it runs (the error says it all), and once
+    however many times the workload runs (--repeat)."""
+    from .runner import workload_warnings
+
+    pending = None
+
+    def checked(variant: str) -> None:
+        nonlocal pending
+        if pending is None:
+            pending = workload_warnings(workload)
+        for item in [w for w in pending if variant in w[0]]:
+            pending.remove(item)
+            _say(f"kvbench: warning: {item[1]}")
+
+    return checked
 
 
 def _json_text(data: dict) -> str:
@@ -363,8 +381,9 @@ def calibrate(
     # A given --out is checked before minutes of measuring (the default one is named after
     # the GPU measured, so it is checked when known).
     target = output_file(out_path, "--out") if out_path is not None else None
-    wl = (load_workload(workload, set_ or ()) if workload is not None
-          else default_workload(set_ or ()))
+    reads = ("scheduler.max_batch_size",)  # measured whatever the workload's run.mode
+    wl = (load_workload(workload, set_ or (), reads) if workload is not None
+          else default_workload(set_ or (), reads))
     import torch
 
     if not torch.cuda.is_available():
@@ -517,8 +536,8 @@ def trace_convert_cmd(
         n, block = convert(_open_trace(trace, fmt, block_tokens, cover, sessions), target, to,
                            out_block_tokens)
     if not quiet and not target.is_stdout:
-        how = (f"requests.format: mooncake, requests.block_tokens: {block}" if to == "mooncake"
-               else "requests.format: token_ids")
+        how = (f"requests.format: {to}" + (f", requests.block_tokens: {block}"  # None: no ids
+                                            if to == "mooncake" and block is not None else ""))
         _say(f"wrote {n:,} requests to {output}; read it with {how}")
 
 

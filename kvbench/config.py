@@ -537,8 +537,11 @@ def resolve_path(workload: Workload, p: str) -> Path:
     return workload.source_path.parent / path
 
 
-def load_workload(path: str | Path, sets: Sequence[str] = ()) -> Workload:
-    """Read, override and validate a workload YAML; every problem is one InputError line."""
+def load_workload(path: str | Path, sets: Sequence[str] = (),
+                  reads: Sequence[str] = ()) -> Workload:
+    """Read, override and validate a workload YAML; every problem is one InputError line.
+    `reads`: keys the command uses whatever the run mode (calibrate: the batch size), so a
+    --set of one is never refused as doing nothing."""
     path = Path(path)
     raw = read_input(path)
     try:
@@ -556,26 +559,28 @@ def load_workload(path: str | Path, sets: Sequence[str] = ()) -> Workload:
         raise InputError(f"{path}:{line}:{column}: empty workload: expected a mapping of "
                          "workload keys (model, cache, requests, run, ...)")
     data.setdefault("name", path.stem)
-    workload = _validated(data, Origin(str(path), marks, _set_keys(sets)), sets)
+    workload = _validated(data, Origin(str(path), marks, _set_keys(sets)), sets, reads)
     workload._source_path = path
     workload._source_text_sha256 = hashlib.sha256(raw).hexdigest()
     return workload
 
 
-def default_workload(sets: Sequence[str] = ()) -> Workload:
+def default_workload(sets: Sequence[str] = (), reads: Sequence[str] = ()) -> Workload:
     """Every key at its default (named `default`), `sets` applied: what a command that takes
-    an optional workload (`kvbench calibrate`) uses without one."""
+    an optional workload (`kvbench calibrate`) uses without one. `reads`: as `load_workload`."""
     data, marks = parse_yaml("name: default\n", "<defaults>")
-    return _validated(data, Origin("<defaults>", marks, _set_keys(sets)), sets)
+    return _validated(data, Origin("<defaults>", marks, _set_keys(sets)), sets, reads)
 
 
 def _set_keys(sets: Sequence[str]) -> list[tuple[str, ...]]:
     return [tuple(parse_set(item)[0].split(".")) for item in sets]
 
 
-def _validated(data: dict, origin: Origin, sets: Sequence[str]) -> Workload:
+def _validated(data: dict, origin: Origin, sets: Sequence[str],
+               reads: Sequence[str] = ()) -> Workload:
     """`data` with `sets` applied, validated (every problem one InputError line, placed by
-    `origin`), its variants built."""
+    `origin`), its variants built; a --set that no variant uses is refused unless the command
+    `reads` its key."""
     data = apply_sets(data, sets)
     try:
         workload = Workload.model_validate(data)
@@ -586,6 +591,8 @@ def _validated(data: dict, origin: Origin, sets: Sequence[str]) -> Workload:
     runs = workload.variant_workloads()
     for item in sets:
         key = parse_set(item)[0]
+        if key in reads:
+            continue
         unused = [unused_by(key, wl) for _, wl in runs]
         if all(unused):
             raise InputError(f"--set {item}: {unused[0]}")

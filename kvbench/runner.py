@@ -25,21 +25,21 @@ from .traffic.tracefile import warn
 @fewer_collections()
 def run_workload(workload: Workload, progress: ProgressFactory | None = None,
                  references: References | None = None, streams: Store | None = None,
-                 planned: Callable[[], None] | None = None) -> list[RunOutcome]:
+                 checked: Callable[[str], None] | None = None) -> list[RunOutcome]:
     """Run every variant of `workload` on the same request stream (reloaded only when a
     variant changes the requests or the seed, or needs it in memory where another streamed
     it). The variants share the reference hit rates they have in common, kept in
     `references`, and the loaded request streams, kept in `streams` (`request_streams`); a
     caller running several workloads passes its stores to share them there too, as a tune
     study does across its trials. Without `streams`, those loaded here are released at the
-    end. `planned` is called once the first variant is checked, before anything runs (so a
-    caller's warnings come only for a workload that runs, never before its error)."""
+    end. `checked` is called with each variant's name once it is checked, before it runs (so
+    a caller's warnings come only for a variant that runs, never before its error)."""
     refs = references if references is not None else References()
     outcomes = []
     with _streams(streams) as kept:
         for name, plan, requests, source in _variants(workload, kept):
-            if planned is not None and not outcomes:
-                planned()
+            if checked is not None:
+                checked(name)
             outcomes.append((run_serve if plan.workload.run.mode == "serve" else run_cache)(
                 name, plan, requests, progress, refs.of(source)))
     return outcomes
@@ -59,9 +59,9 @@ def check_workload(workload: Workload) -> None:
             pass
 
 
-def workload_warnings(workload: Workload) -> list[str]:
+def workload_warnings(workload: Workload) -> list[tuple[tuple[str, ...], str]]:
     """What would run but is probably not what was meant: a GPU cache larger than the
-    hardware preset's memory."""
+    hardware preset's memory. (The variants a warning is about, the warning.)"""
     over: dict[tuple[int, str, int], list[str]] = {}
     for name, wl in workload.variant_workloads():
         m = wl.model
@@ -69,8 +69,9 @@ def workload_warnings(workload: Workload) -> list[str]:
         memory = hardware_from_config(wl.hardware).memory_bytes
         if memory is not None and gpu_bytes > memory:
             over.setdefault((gpu_bytes, wl.hardware.preset, memory), []).append(name)
-    return [f"{where(workload)}: cache.max_tokens: the GPU cache takes {gib(gpu_bytes)} but "
-            f"a {preset} has {gib(memory)} in all (variants: {', '.join(names)})"
+    return [(tuple(names), f"{where(workload)}: cache.max_tokens: the GPU cache takes "
+             f"{gib(gpu_bytes)} but a {preset} has {gib(memory)} in all (variants: "
+             f"{', '.join(names)})")
             for (gpu_bytes, preset, memory), names in over.items()]
 
 
@@ -152,14 +153,18 @@ def count_workload_requests(wl: Workload) -> int:
     r = wl.requests
     if r.source != "trace" or r.skip:  # generated, or cut by `load_traffic`: counted loaded
         return len(_load(wl))
-    count = sum(1 for _ in workload_trace(r, base_dir=_base_dir(wl), seed=wl.run.seed))
+    reader = workload_trace(r, base_dir=_base_dir(wl), seed=wl.run.seed)
+    count = sum(1 for _ in reader)
     if not count:
-        _empty(wl)
+        _empty(wl, reader)
     return count
 
 
-def _empty(wl: Workload) -> NoReturn:
-    raise InputError(f"{where(wl)}: requests: the request stream is empty")
+def _empty(wl: Workload, reader=None) -> NoReturn:
+    skipped = getattr(reader, "without_prompt", 0)
+    why = (f" ({skipped:,} trace record{'s' if skipped > 1 else ''} skipped: no prompt tokens)"
+           if skipped else "")
+    raise InputError(f"{where(wl)}: requests: the request stream is empty{why}")
 
 
 def _streamable(wl: Workload) -> bool:
@@ -188,7 +193,7 @@ def _load(wl: Workload, stream: bool = False) -> RequestList | SpilledTrace:
     if requests is None:
         requests, reader = load_traffic(wl.requests, base_dir=base, seed=wl.run.seed)
     if not len(requests):
-        _empty(wl)
+        _empty(wl, reader)
     if reader is not None and reader.without_prompt:
         warn(f"{reader.path}: skipped the records with no prompt tokens (nothing to prefill "
              f"or cache): {reader.without_prompt:,}")

@@ -339,6 +339,27 @@ def test_the_preset_warning_comes_once_per_workload_run(tiny, capsys):
                             "cache.max_tokens=1048576"], capsys)
     assert code == 0 and err.count("the GPU cache takes 1,024.0 GiB") == 1, err
 
+
+@pytest.mark.parametrize("order", [("big", "huge"), ("huge", "big")])
+def test_a_variant_refused_for_its_size_gets_no_preset_warning(tmp_path, capsys, order):
+    """The warning of a variant refused for its size would only repeat its error: a run warns
+    about the variants checked (those that run), once over --repeat, and never about the one
+    the error refuses (it warned about every variant once the first was checked)."""
+    sizes = {"big": 1048576, "huge": 100000000000}
+    path = tmp_path / "v.yaml"
+    path.write_text(replace_sections(TINY, "model: {num_layers: 64, num_kv_heads: 1, "
+                                           "num_q_heads: 1, head_dim: 4096}\n")
+                    + "variants:\n" + "".join(f"  - {{name: {n}, set: {{cache.max_tokens: "
+                                               f"{sizes[n]}}}}}\n" for n in order))
+    code, _, err = run_cli(["run", path, "--quiet", "--repeat", "2"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and "block metadata would take" in lines[-1], err
+    warned = [line for line in lines if "kvbench: warning:" in line]
+    assert warned == ([f"kvbench: warning: {path}: cache.max_tokens: the GPU cache takes "
+                       "1,024.0 GiB but a H100-SXM has 79.6 GiB in all (variants: big)"]
+                      if order[0] == "big" else []), err
+    assert "variants: huge" not in err
+
 def test_report_on_a_non_numeric_metric_leaves_nothing(tiny, tmp_path, capsys):
     result = tmp_path / "r.json"
     assert run_cli(["run", tiny, "--json", result, "-q"], capsys)[0] == 0

@@ -112,6 +112,24 @@ def test_calibrate_without_a_workload_measures_the_default_shape(capsys):
             "kvbench: error: kvbench calibrate needs a CUDA GPU and torch sees none; a profile "
             "measured elsewhere works here through hardware.profile")
 
+
+def test_calibrate_takes_a_batch_size_set_on_a_cache_mode_workload(capsys, monkeypatch):
+    """calibrate measures scheduler.max_batch_size whatever run.mode says, so a --set of it is
+    not refused as 'the scheduler is not used in run.mode: cache' (the defaults are cache
+    mode); other scheduler keys still are."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # stop before measuring
+    no_gpu = ("kvbench: error: kvbench calibrate needs a CUDA GPU and torch sees none; a "
+              "profile measured elsewhere works here through hardware.profile")
+    for workload in ([], [str(ROOT / "workloads" / "mooncake-conversation.yaml")]):
+        code, _, err = run_cli(["calibrate", *workload, "--set", "scheduler.max_batch_size=64"],
+                               capsys)
+        assert (code, err.strip()) == (2, no_gpu), workload
+    code, _, err = run_cli(["calibrate", "--set", "scheduler.max_num_tokens=64"], capsys)
+    assert code == 2 and err.strip() == (
+        "kvbench: error: --set scheduler.max_num_tokens=64: the scheduler is not used in "
+        "run.mode: cache (it runs in serve mode)")
+
 def test_interpolation_between_and_past_the_points(chat):
     p = profile_for(chat)
     assert interp1(p.linear, 128) == pytest.approx(3 + 0.02 * 128)

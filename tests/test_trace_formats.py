@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -168,6 +170,9 @@ def test_servegen_stat_traces(tmp_path, capsys):
     assert [(r.arrival_s, r.input_length, r.output_length) for r in reqs] == [
         (0, 61, 2370), (0, 54, 2031)]
     assert reader.without_ids == 2
+    # No record has ids: no length convention to report (it said "every input_length a
+    # multiple of 16" of lengths 61 and 54).
+    assert reader.convention() == "none (no record has hash_ids)"
     assert_matches_brute_force(reqs, expand([(None, ["a"], 61), (None, ["b"], 54)], block=16))
     write(path, {"request_id": 0, "type": "text", "input_length": 61, "output_length": -1})
     code, _, err = run_cli(["trace", "stats", path], capsys)
@@ -244,6 +249,57 @@ def test_weka_jsonl_of_conversations_with_absolute_subagent_times(tmp_path, caps
         "traces.jsonl:2: 'type' must be one of \"n\", \"s\", \"subagent\", got \"x\"")
 
 
+def test_weka_jsonl_lines_name_their_line_and_hold_one_value_each(tmp_path, capsys):
+    """A JSONL line that is not a conversation names its own line (not line 1); two values on
+    one line are refused (neither JSON nor JSONL), and an empty `.jsonl` is zero conversations
+    (an empty `.json` is still no document)."""
+    doc = json.dumps(weka_doc(requests=[WEKA_REQ]))
+    path = tmp_path / "traces.jsonl"
+    for second, where in (("[1, 2]", "2: expected a JSON object (one conversation), got an array"),
+                          ("5", "2: expected a JSON object (one conversation), got a number")):
+        path.write_text(f"{doc}\n{second}\n")
+        code, _, err = run_cli(["trace", "stats", path, "--format", "weka"], capsys)
+        assert code == 2 and err.strip() == f"kvbench: error: {path}:{where}"
+    path.write_text(f"{doc} {doc}\n")
+    code, _, err = run_cli(["trace", "stats", path, "--format", "weka"], capsys)
+    assert code == 2 and err.strip() == (
+        f"kvbench: error: {path}:1: invalid JSON at column {len(doc) + 2}: extra data after a "
+        "value (one JSON value a line)")
+    folder = tmp_path / "w"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("")
+    (folder / "b.jsonl").write_text("\n\r\n")
+    (folder / "c.json").write_text(json.dumps(weka_doc(requests=[WEKA_REQ]), indent=1))
+    assert [r.input_length for r in read(folder, "weka")] == [9]
+    (folder / "d.json").write_text("")
+    code, _, err = run_cli(["trace", "stats", folder], capsys)
+    assert code == 2 and err.strip() == (
+        f"kvbench: error: {folder / 'd.json'}:1: invalid JSON at column 1: Expecting value")
+
+
+def test_weka_unit_warning_once_for_the_whole_input(tmp_path):
+    """'later lines not reported' holds across the conversations of a JSONL and a folder."""
+    late = [bad(WEKA_REQ, t=2e11)]
+    path = write(tmp_path / "traces.jsonl", *(weka_doc(requests=late) for _ in range(3)))
+    with pytest.warns(TraceWarning) as caught:
+        read(path, "weka", limit=1)
+    assert [str(w.message) for w in caught] == [
+        f"{path}:1: 't' 2e+11 looks like Unix time in milliseconds, but this format takes "
+        "seconds (later lines not reported)"]
+
+
+
+def test_weka_jsonl_reads_in_linear_time(tmp_path):
+    """Each object's line was found by counting newlines from the top of the file: a 2.7 MB
+    traces.jsonl of 60,000 requests took 40 s (quadratic); it reads in under 2."""
+    path = tmp_path / "traces.jsonl"
+    path.write_text("".join(json.dumps(weka_doc(requests=[
+        {**WEKA_REQ, "t": i, "hash_ids": [c, i]} for i in range(20)])) + "\n"
+        for c in range(3000)))
+    began = time.perf_counter()
+    assert len(read(path, "weka")) == 60000
+    assert time.perf_counter() - began < 10
+
 def test_token_ids_exact_sharing(tmp_path):
     prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     path = write(tmp_path / "t.jsonl", *({"task_id": i, "input_ids": p, "output_tokens": 2}
@@ -289,6 +345,27 @@ def test_lengths_csv_skips_and_counts_rows_without_prompt_tokens(tmp_path, capsy
                      "5,ChatGPT,472,18,490,Conversation log\n4,GPT-4,0,0,0,API log\n")
     code, _, err = run_cli(["trace", "stats", burst], capsys)
     assert code == 2 and "burst.csv:3: 'Timestamp' 4 is before the previous row's" in err
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                     "1_0,ChatGPT,472,18,490,Conversation log\n")
+    code, _, err = run_cli(["trace", "stats", burst], capsys)
+    assert code == 2 and err.strip() == (
+        f"kvbench: error: {burst}:2: 'Timestamp' must be seconds or a date and time, got '1_0'")
+    # Every row without prompt tokens: a run says why its stream is empty.
+    burst.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                     "5,ChatGPT,0,0,0,Conversation log\n7,GPT-4,0,0,0,API log\n")
+    workload = tmp_path / "w.yaml"
+    workload.write_text("model: {num_layers: 2, num_kv_heads: 1, num_q_heads: 1, head_dim: 8}\n"
+                        "requests: {source: trace, path: burst.csv}\nrun: {mode: serve}\n")
+    for command in ("run", "validate"):
+        code, _, err = run_cli([command, workload], capsys)
+        assert code == 2 and err.strip().splitlines()[-1] == (
+            f"kvbench: error: {workload}: requests: the request stream is empty (2 trace "
+            "records skipped: no prompt tokens)"), command
+    # Converted, it is empty: no block size to read it with (it said block_tokens: None).
+    out = tmp_path / "out.jsonl"
+    code, _, err = run_cli(["trace", "convert", burst, out], capsys)
+    assert code == 0 and out.read_text() == "" and err.strip() == (
+        f"wrote 0 requests to {out}; read it with requests.format: mooncake")
 
 # --- id remapping --------------------------------------------------------------------------------
 
@@ -412,6 +489,35 @@ def test_jsonl_not_json_or_not_utf8(tmp_path, capsys, fmt, ok):
     assert code == 2 and err.strip().endswith(f"{path}:2: not UTF-8 text")
 
 
+def test_integers_too_long_or_too_large_are_bad_input(tmp_path, capsys):
+    """JSON integers have no size limit: one past float's range is a time too late, one past
+    Python's str -> int digit limit is invalid JSON at its line and column, in every reader and
+    while sniffing (both crashed with exit 1)."""
+    digits = sys.get_int_max_str_digits()
+    if not digits:
+        pytest.skip("no digit limit in this Python")
+    huge, endless = "1" + "0" * 400, "1" + "0" * digits
+    cases = [
+        ("m.jsonl", json.dumps(MOONCAKE_OK) + "\n" + json.dumps(MOONCAKE_OK).replace(
+            '"timestamp": 0', f'"timestamp": {huge}'),
+         f"2: 'timestamp' must be at most 1e+15, got {huge[:37]}..."),
+        ("m.jsonl", '{"timestamp": 0, "input_length": %s, "output_length": 1}' % endless,
+         f"1: invalid JSON at column 34: an integer of more than {digits} digits"),
+        ("w.json", json.dumps(weka_doc(requests=[WEKA_REQ]), indent=1).replace(
+            '"t": 0', f'"t": {huge}'), f"12: 't' must be at most 1e+15, got {huge[:37]}..."),
+        ("w.json", json.dumps(weka_doc(requests=[WEKA_REQ]), indent=1).replace(
+            '"in": 9', f'"in": {endless}'),
+         f"16: invalid JSON at column 10: an integer of more than {digits} digits"),
+        ("w.jsonl", json.dumps(weka_doc(requests=[WEKA_REQ])).replace(
+            '"in": 9', f'"in": {huge}'), f"1: 'in' must be in [1, 16777215], got {huge[:37]}..."),
+    ]
+    for name, text, message in cases:
+        path = tmp_path / name
+        path.write_text(text + "\n")
+        code, out, err = run_cli(["trace", "stats", path], capsys)
+        assert (code, err.strip()) == (2, f"kvbench: error: {path}:{message}"), name
+
+
 WEKA_REQ = {"t": 0, "type": "n", "model": "big", "in": 9, "out": 2, "hash_ids": [1, 2]}
 
 
@@ -492,6 +598,12 @@ CSV_BAD = [
     ("2023-11-16 18:15:47+00:00,374,44", "'TIMESTAMP' '2023-11-16 18:15:47+00:00': expected a "
                                          "date and time without a zone like the rows before"),
     ("1e300,374,44", "'TIMESTAMP' must be a number of seconds in [0, 1e+15], got '1e300'"),
+    # int() and float() take digit groups and non-ASCII digits (read as 374, 12 and 10 s).
+    ("2023-11-16 18:15:47,3_74,44", "'ContextTokens' must be an integer, got '3_74'"),
+    ("2023-11-16 18:15:47,374,\u0661\u0662", "'GeneratedTokens' must be an integer, got "
+                                               "'\u0661\u0662'"),
+    ("2023-11-16 18:15:47," + "9" * 5000 + ",44",
+     "'ContextTokens' must be in [0, 16777215], got " + "9" * 37 + "..."),
 ]
 
 
@@ -610,6 +722,33 @@ def test_auto_sniffs_every_sample_and_explains_a_mismatch(tmp_path, capsys):
     code, _, err = run_cli(["trace", "stats", tmp_path / "x.txt"], capsys)
     assert code == 2 and "cannot tell the trace format from the first record" in err
 
+
+
+def test_a_request_id_with_aiperf_times_is_mooncake_not_servegen(tmp_path):
+    """ServeGen has no times; an AIPerf Mooncake record with a `request_id` times itself with
+    `delay` or `session_id` in place of `timestamp`, and sniffing it as ServeGen refused it
+    ('missing field type')."""
+    for times in ({"timestamp": 0}, {"delay": 0}, {"session_id": "s1"},
+                  {"session_id": "s1", "delay": 5}):
+        record = {"request_id": "r0", **times, "input_length": 600, "output_length": 1}
+        path = write(tmp_path / "m.jsonl", record, {**record, "request_id": "r1"})
+        assert sniff(path)[0] == "mooncake", times
+        assert [r.input_length for r in read(path, "auto")] == [600, 600]
+    stat = {"request_id": 0, "type": "text", "input_length": 600, "output_length": 1,
+            "duration": 10}
+    assert sniff(write(tmp_path / "s.jsonl", stat))[0] == "servegen"
+
+
+def test_a_first_line_longer_than_the_sniffed_bytes_is_still_sniffed(tmp_path):
+    """Sniffing reads 64 KiB; a first JSONL line past them (a traces.jsonl conversation of a
+    few thousand requests, a prompt of 20,000 ids) was 'cannot tell the trace format'."""
+    convo = weka_doc(requests=[{**WEKA_REQ, "t": i} for i in range(1000)])
+    path = write(tmp_path / "traces.jsonl", convo, convo)
+    assert sniff(path)[0] == "weka" and len(read(path, "auto")) == 2000
+    record = {"timestamp": 0, "input_length": 512 * 20000, "output_length": 1,
+              "hash_ids": list(range(20000))}
+    path = write(tmp_path / "m.jsonl", record, record)
+    assert sniff(path)[0] == "mooncake" and len(read(path, "auto")) == 2
 
 def test_unit_warnings_name_the_line(tmp_path):
     path = write(tmp_path / "m.jsonl", MOONCAKE_OK, bad(MOONCAKE_OK, timestamp=1.7e9),

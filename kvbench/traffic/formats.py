@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from kvbench.errors import InputError
@@ -20,6 +21,7 @@ READERS: dict[str, type[TraceReader]] = {
 }
 FORMATS = ("auto", *READERS)
 _SNIFF_BYTES = 1 << 16
+_MOONCAKE_TIMES = frozenset(("timestamp", "delay", "session_id"))
 _WHOLE_JSON_BYTES = 64 << 20
 
 
@@ -47,7 +49,7 @@ def sniff(path: Path) -> tuple[str, str]:
     obj = None
     if first.lstrip().startswith("{"):
         try:
-            obj = json.loads(first)
+            obj = json.loads(first, parse_int=_sniff_int)
         except (json.JSONDecodeError, RecursionError):
             obj = _whole_json(path)
     if isinstance(obj, dict):
@@ -63,15 +65,25 @@ def sniff(path: Path) -> tuple[str, str]:
 
 
 def _whole_json(path: Path):
-    """A JSON document spread over lines (one weka conversation file)."""
+    """A first record longer than the bytes sniffed: a JSON document spread over lines (one
+    weka conversation file), else a long first line (a traces.jsonl conversation, a prompt of
+    many ids)."""
     with open_binary(path) as f:
         raw = f.read(_WHOLE_JSON_BYTES + 1)
-    if len(raw) > _WHOLE_JSON_BYTES:
-        return None
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        return None
+    for text in (raw, raw.lstrip().split(b"\n", 1)[0]):
+        if len(text) <= _WHOLE_JSON_BYTES:
+            try:
+                return json.loads(text, parse_int=_sniff_int)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                pass
+    return None
+
+
+def _sniff_int(text: str) -> int | float:
+    """A JSON integer while sniffing, which needs only the keys: one too long for Python's
+    str -> int is not a reason to say nothing (the reader then names its line)."""
+    digits = sys.get_int_max_str_digits()
+    return int(text) if not digits or len(text) <= digits else float(text)
 
 
 def _by_keys(obj: dict) -> tuple[str, str] | None:
@@ -82,8 +94,9 @@ def _by_keys(obj: dict) -> tuple[str, str] | None:
         return "token_ids", "a token-id trace (`input_ids`)"
     if "chat_id" in obj or "parent_chat_id" in obj:
         return "bailian", "a Bailian trace (`chat_id`, `parent_chat_id`)"
-    # ServeGen's stat traces have no hash_ids: `request_id` without a time is what they share.
-    if "img_ids" in obj or ("request_id" in obj and "timestamp" not in obj):
+    # ServeGen's stat traces have no hash_ids: `request_id` without a time is what they share
+    # (Mooncake's `timestamp`, or AIPerf's `delay` / `session_id` in its place).
+    if "img_ids" in obj or ("request_id" in obj and not _MOONCAKE_TIMES & obj.keys()):
         return "servegen", "a ServeGen trace (`request_id`, no `timestamp`)"
     if "hash_ids" in obj or "input_length" in obj:
         keys = [k for k in ("timestamp", "delay", "session_id", "hash_ids") if k in obj]

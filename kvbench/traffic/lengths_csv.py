@@ -10,6 +10,7 @@ there is nothing to prefill or cache.
 from __future__ import annotations
 
 import csv
+import re
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -135,7 +136,8 @@ def _kind(ts) -> str:
 
 def _timestamp(text: str, what: str):
     try:
-        value = float(text)
+        # Python's float() also takes digit groups (1_000) and non-ASCII digits: not CSV.
+        value = float(text) if text.isascii() and "_" not in text else None
     except ValueError:
         value = None
     if value is not None:
@@ -153,12 +155,18 @@ def _timestamp(text: str, what: str):
         raise BadField(f"'{what}' must be seconds or a date and time, got {text!r}") from None
 
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+"""A CSV integer (Python's int() also takes digit groups, 1_000, and non-ASCII digits)."""
+
+
 def _int(text: str, what: str, low: int, high: int | None) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise BadField(f"'{what}' must be an integer, got {text!r}") from None
+    if not _INTEGER.fullmatch(text):
+        raise BadField(f"'{what}' must be an integer, got {text[:40]!r}")
+    # No int() of thousands of digits (past Python's limit it raises): any bound is shorter.
+    huge = len(text.lstrip("+-").lstrip("0")) > 30
+    value = int(text) if not huge else -10**30 if text[0] == "-" else 10**30
     if value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise BadField(f"'{what}' must be {bound}, got {value}")
+        got = text[:37] + "..." if huge else value
+        raise BadField(f"'{what}' must be {bound}, got {got}")
     return value

@@ -13,6 +13,7 @@ has, so they share nothing.
 
 from __future__ import annotations
 
+import bisect
 import bz2
 import gzip
 import json
@@ -20,6 +21,8 @@ import json.decoder
 import json.scanner
 import lzma
 import math
+import re
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -141,6 +144,10 @@ def parse_json_object(raw: bytes) -> dict:
         raise BadField(f"invalid JSON at column {e.colno}: {e.msg}") from None
     except RecursionError:
         raise BadField("JSON nested too deeply for a trace record") from None
+    except ValueError:  # an integer past Python's digit limit for str -> int
+        text = raw.decode("utf-8", errors="replace")
+        raise BadField(f"invalid JSON at column {_long_integer(text, 0) + 1}: "
+                       f"{_LONG_INTEGER}") from None
     if not isinstance(obj, dict):
         raise BadField(f"expected a JSON object, got {json_type(obj)}")
     return obj
@@ -152,12 +159,10 @@ class LocatedDict(dict):
     line: int = 0
 
 
-def load_located_json(path: Path) -> list:
-    """The JSON values of a file, its objects `LocatedDict`s so that a problem deep inside a
-    conversation still names its line: one value for a JSON document, one a line for JSONL
-    (weka conversations come as a file each, or as one `traces.jsonl` of a conversation a line).
-    Uses json's pure-Python scanner (per-file JSON is small; JSONL traces of requests use
-    `jsonl_records`)."""
+def load_located_json(path: Path, lines: bool = False) -> list[tuple[int, Any]]:
+    """(line, value) of each JSON value of a file (a document, or JSONL: a weka conversation a
+    line), its objects `LocatedDict`s so that a problem deep inside one names its line. No file
+    is empty unless `lines` (JSONL: zero records); json's pure-Python scanner."""
     with open_binary(path) as f:
         raw = f.read()
     try:
@@ -166,27 +171,52 @@ def load_located_json(path: Path) -> list:
         line = raw.count(b"\n", 0, e.start) + 1
         raise fail(str(path), line, "not UTF-8 text") from None
     decoder = json.JSONDecoder()
+    # Line starts, bisected (counting newlines from the top for each object was quadratic).
+    starts = [0, *(m.end() for m in re.finditer("\n", text))]
+
+    def line_at(i: int) -> int:
+        return bisect.bisect_right(starts, i)
 
     def parse_object(s_and_end, *args, **kw):
         obj, end = json.decoder.JSONObject(s_and_end, *args, **kw)
         located = LocatedDict(obj)
-        located.line = text.count("\n", 0, s_and_end[1]) + 1
+        located.line = line_at(s_and_end[1])
         return located, end
+
+    def invalid(i: int, what: str) -> InputError:
+        line = line_at(i)
+        return fail(str(path), line, f"invalid JSON at column {i - starts[line - 1] + 1}: {what}")
 
     decoder.parse_object = parse_object
     decoder.scan_once = json.scanner.py_make_scanner(decoder)
     values = []
     end = _skip_space(text, 0)
     try:
-        while end < len(text) or not values:
-            value, end = decoder.raw_decode(text, end)
-            values.append(value)
+        while end < len(text) or not (values or lines):
+            start = end
+            value, end = decoder.raw_decode(text, start)
+            values.append((line_at(start), value))
+            gap = _INLINE_SPACE.match(text, end).end()
+            if gap < len(text) and text[gap] != "\n":
+                raise invalid(gap, "extra data after a value (one JSON value a line)")
             end = _skip_space(text, end)
     except json.JSONDecodeError as e:
         raise fail(str(path), e.lineno, f"invalid JSON at column {e.colno}: {e.msg}") from None
     except RecursionError:
         raise InputError(f"{path}: JSON nested too deeply for a trace file") from None
+    except ValueError:  # an integer past Python's digit limit for str -> int
+        raise invalid(_long_integer(text, start), _LONG_INTEGER) from None
     return values
+
+
+_INLINE_SPACE = re.compile(r"[ \t\r]*")
+_LONG_INTEGER = f"an integer of more than {sys.get_int_max_str_digits()} digits"
+
+
+def _long_integer(text: str, start: int) -> int:
+    """Where the first integer too long for Python's str -> int starts, from `start`."""
+    found = re.compile(r"\d{%d,}" % (sys.get_int_max_str_digits() + 1)).search(text, start)
+    return found.start() if found else start
 
 
 def _skip_space(text: str, i: int) -> int:
@@ -230,9 +260,9 @@ def check_int(key: str, value: Any, low: int, high: int | None = None) -> int:
     if type(value) is not int:
         raise BadField(f"'{key}' must be an integer, got {show(value)}")
     if high is not None and not low <= value <= high:
-        raise BadField(f"'{key}' must be in [{low}, {high}], got {value}")
+        raise BadField(f"'{key}' must be in [{low}, {high}], got {show(value)}")
     if value < low:
-        raise BadField(f"'{key}' must be >= {low}, got {value}")
+        raise BadField(f"'{key}' must be >= {low}, got {show(value)}")
     return value
 
 
@@ -244,12 +274,14 @@ def need_number(obj: dict, key: str, unit: str) -> float:
 def check_number(key: str, value: Any, unit: str) -> float:
     """A time in `unit`: a finite number >= 0, at most `MAX_TIME_FIELD` (arrivals are checked
     against `MAX_TIME_S` once `requests.time_scale` applies)."""
-    if type(value) not in (int, float) or not math.isfinite(value):
+    # An int is finite however large (math.isfinite and :g would overflow converting it).
+    if type(value) not in (int, float) or (type(value) is float and not math.isfinite(value)):
         raise BadField(f"'{key}' must be a number ({unit}), got {show(value)}")
     if value < 0:
-        raise BadField(f"'{key}' must be >= 0, got {value}")
+        raise BadField(f"'{key}' must be >= 0, got {show(value)}")
     if value > MAX_TIME_FIELD:
-        raise BadField(f"'{key}' must be at most {MAX_TIME_FIELD:g}, got {value:g}")
+        got = f"{value:g}" if value < 1e308 else show(value)
+        raise BadField(f"'{key}' must be at most {MAX_TIME_FIELD:g}, got {got}")
     return value
 
 
@@ -336,7 +368,6 @@ class ChainedIds:
         return dense
 
 
-
 class Cover:
     """The length convention of hash ids: `ceil` (one id per block, the partial last one
     included: Mooncake, Bailian, ServeGen) or `floor` (full blocks only: kv-cache-tester).
@@ -384,10 +415,12 @@ class Cover:
         return fits == "floor"
 
     def detected(self) -> str:
-        """What the lines showed: `ceil`, `floor`, or either when every length was a multiple
-        of the block size."""
+        """What the lines showed: `ceil`, `floor`, either when every length was a multiple
+        of the block size, or none when no line had ids."""
         if self.decided_at is not None:
             return self.decided
+        if not self.lines:  # no record had hash ids (ServeGen stat traces, AIPerf without ids)
+            return "none (no record has hash_ids)"
         return f"ceil or floor (every input_length a multiple of {self.block})"
 
 

@@ -54,6 +54,8 @@ from kvbench.traffic.tracefile import (
 _TYPES = ("n", "s", "subagent")
 _CONVERSATION_SUFFIXES = tuple(f"{ext}{z}" for ext in (".json", ".jsonl")
                                for z in ("", ".gz", ".bz2", ".xz"))
+_JSONL_SUFFIXES = tuple(s for s in _CONVERSATION_SUFFIXES if ".jsonl" in s)
+"""JSON Lines files: an empty one holds no conversations (an empty `.json` is no document)."""
 # Float noise allowed when telling a sub-agent request's `t` from its entry's.
 _EARLIER_S = 1e-6
 MAX_SUBAGENT_DEPTH = 64
@@ -89,13 +91,14 @@ class WekaReader(TraceReader):
         table = ChainedIds()
         conversations = []  # per conversation: [(offset from spawn, from start, order, request)]
         order = 0
+        units = UnitCheck("t", "s")  # one warning for the whole input
         for file in self.files:
             name = str(file)
-            for doc in load_located_json(file):
+            jsonl = name.endswith(_JSONL_SUFFIXES)
+            for line, doc in load_located_json(file, lines=jsonl):
                 items: list = []
                 try:
-                    scope = self._header(doc)
-                    units = UnitCheck("t", "s")
+                    scope = self._header(doc, line)
                     root = ("conversation", len(conversations)) if scope == "local" else (
                         "global",)
                     for offsets, req, model, lineno in self._flatten(doc, 0.0, None, name,
@@ -126,9 +129,9 @@ class WekaReader(TraceReader):
         for _, _, r in placed:
             yield r
 
-    def _header(self, doc) -> str:
+    def _header(self, doc, line: int) -> str:
         if not isinstance(doc, LocatedDict):
-            raise _At(1, f"expected a JSON object (one conversation), got {json_type(doc)}")
+            raise _At(line, f"expected a JSON object (one conversation), got {json_type(doc)}")
         with _located(doc):
             block = need_int(doc, "block_size", 1, MAX_BLOCK_TOKENS)
             if self.block_tokens is None:

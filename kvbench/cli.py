@@ -458,9 +458,8 @@ def trace_stats_cmd(
 ) -> None:
     """Summarise a trace: format, native block size and length convention, size, rate, length
     percentiles, ideal hit rate by block size (below the native block size: not resolvable)."""
-    from rich.table import Table
-
     from .outfile import output_file
+    from .report.tables import trace_stats_table
     from .traffic import trace_stats
 
     json_out = output_file(json_path, "--json") if json_path is not None else None
@@ -470,37 +469,7 @@ def trace_stats_cmd(
         json_out.write_text(_json_text(stats))
         if json_out.is_stdout:
             return
-    table = Table(title=f"{trace.name}", title_justify="left")
-    table.add_column("statistic")
-    table.add_column("value", justify="right")
-    native = stats["native_block_tokens"]
-    table.add_row("format", stats["format"])
-    table.add_row("native block size", "none (no prefix information)" if native is None
-                  else "exact tokens" if native == 1 else f"{native} tokens/id")
-    table.add_row("length convention", stats["convention"])
-    if stats["requests_without_prefix_info"]:
-        table.add_row("requests without prefix information",
-                      f"{stats['requests_without_prefix_info']:,}")
-    if stats["records_without_prompt"]:
-        table.add_row("records skipped (no prompt tokens)",
-                      f"{stats['records_without_prompt']:,}")
-    table.add_row("requests", f"{stats['requests']:,}")
-    table.add_row("duration", f"{stats['duration_s']:,.1f} s")
-    rate = stats["rate_rps"]
-    table.add_row("rate", f"{rate:.2f} req/s" if rate is not None else "-")
-    for kind in ("input_length", "output_length"):
-        d = stats[kind]
-        table.add_row(kind.replace("_", " ") + " p50/p90/p99/max",
-                      f"{d['p50']:,.0f} / {d['p90']:,.0f} / {d['p99']:,.0f} / {d['max']:,.0f}")
-    for bs, rate in stats["ideal_hit_rate"].items():
-        value = f"{100 * rate:.2f}%"
-        if not stats["ideal_resolvable"][bs]:
-            value = "n/a" if native is None else f">= {value} (not resolvable)"
-        table.add_row(f"ideal hit rate @ {bs} tokens/block", value)
-    if native is not None and not all(stats["ideal_resolvable"].values()):
-        table.caption = (f"not resolvable: below the trace's {native}-token ids, where two "
-                         "prompts diverge inside a block is unknown; the value is a lower bound")
-    out.print(table)
+    out.print(trace_stats_table(trace.name, stats))
 
 
 @trace_app.command("convert", epilog=_example(

@@ -1,5 +1,5 @@
-"""Rich tables of run metrics, one column per variant; the rows are the metric registry's
-(`kvbench/metrics.py`), section by section, in its order."""
+"""Rich tables of run metrics, one column per variant (the rows are the metric registry's,
+`kvbench/metrics.py`, section by section, in its order), and of a trace's statistics."""
 
 from __future__ import annotations
 
@@ -84,3 +84,38 @@ def print_metrics(console: Console, title: str, runs: list[tuple[str, dict]],
                   overridden: bool = False) -> None:
     for table in metrics_tables(title, runs, differences, overridden):
         print_wide(console, table)
+
+
+def trace_stats_table(name: str, stats: dict) -> Table:
+    """`kvbench trace stats`: one row per statistic of `trace_stats` (the JSON has them all)."""
+    table = Table(title=name, title_justify="left")
+    table.add_column("statistic")
+    table.add_column("value", justify="right")
+    native = stats["native_block_tokens"]
+    table.add_row("format", stats["format"])
+    table.add_row("native block size", "none (no prefix information)" if native is None
+                  else "exact tokens" if native == 1 else f"{native} tokens/id")
+    table.add_row("length convention", stats["convention"])
+    if stats["requests_without_prefix_info"]:
+        table.add_row("requests without prefix information",
+                      f"{stats['requests_without_prefix_info']:,}")
+    if stats["records_without_prompt"]:
+        table.add_row("records skipped (no prompt tokens)",
+                      f"{stats['records_without_prompt']:,}")
+    table.add_row("requests", f"{stats['requests']:,}")
+    table.add_row("duration", f"{stats['duration_s']:,.1f} s")
+    rate = stats["rate_rps"]
+    table.add_row("rate", f"{rate:.2f} req/s" if rate is not None else "-")
+    for kind in ("input_length", "output_length"):
+        d = stats[kind]
+        table.add_row(kind.replace("_", " ") + " p50/p90/p99/max",
+                      f"{d['p50']:,.0f} / {d['p90']:,.0f} / {d['p99']:,.0f} / {d['max']:,.0f}")
+    for bs, rate in stats["ideal_hit_rate"].items():
+        value = f"{100 * rate:.2f}%"
+        if not stats["ideal_resolvable"][bs]:
+            value = "n/a" if native is None else f">= {value} (not resolvable)"
+        table.add_row(f"ideal hit rate @ {bs} tokens/block", value)
+    if native is not None and not all(stats["ideal_resolvable"].values()):
+        table.caption = (f"not resolvable: below the trace's {native}-token ids, where two "
+                         "prompts diverge inside a block is unknown; the value is a lower bound")
+    return table

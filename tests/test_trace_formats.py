@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -23,7 +22,7 @@ from kvbench.errors import InputError
 from kvbench.oracle import reference_hit_rates
 from kvbench.traffic import TraceOptions, TraceWarning, open_trace, sniff, trace_stats
 from kvbench.traffic.request import Request
-from kvbench.traffic.tracefile import SessionStart
+from kvbench.traffic.tracefile import MAX_INT_DIGITS, SessionStart
 
 ROOT = Path(__file__).resolve().parents[1]
 B = 4  # hash block size of the small brute-force traces
@@ -493,7 +492,7 @@ def test_integers_too_long_or_too_large_are_bad_input(tmp_path, capsys):
     """JSON integers have no size limit: one past float's range is a time too late, one past
     Python's str -> int digit limit is invalid JSON at its line and column, in every reader and
     while sniffing (both crashed with exit 1)."""
-    digits = sys.get_int_max_str_digits()
+    digits = MAX_INT_DIGITS
     if not digits:
         pytest.skip("no digit limit in this Python")
     huge, endless = "1" + "0" * 400, "1" + "0" * digits

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from kvbench.errors import InputError
@@ -12,7 +11,7 @@ from kvbench.traffic.lengths_csv import LAYOUTS, LengthsCsvReader
 from kvbench.traffic.mooncake import MooncakeReader
 from kvbench.traffic.servegen import ServeGenReader
 from kvbench.traffic.token_ids import TokenIdsReader
-from kvbench.traffic.tracefile import TraceOptions, TraceReader, open_binary
+from kvbench.traffic.tracefile import MAX_INT_DIGITS, TraceOptions, TraceReader, open_binary
 from kvbench.traffic.weka import WekaReader
 
 READERS: dict[str, type[TraceReader]] = {
@@ -82,8 +81,7 @@ def _whole_json(path: Path):
 def _sniff_int(text: str) -> int | float:
     """A JSON integer while sniffing, which needs only the keys: one too long for Python's
     str -> int is not a reason to say nothing (the reader then names its line)."""
-    digits = sys.get_int_max_str_digits()
-    return int(text) if not digits or len(text) <= digits else float(text)
+    return int(text) if not MAX_INT_DIGITS or len(text) <= MAX_INT_DIGITS else float(text)
 
 
 def _by_keys(obj: dict) -> tuple[str, str] | None:

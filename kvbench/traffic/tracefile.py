@@ -190,7 +190,7 @@ def load_located_json(path: Path, lines: bool = False) -> list[tuple[int, Any]]:
     decoder.parse_object = parse_object
     decoder.scan_once = json.scanner.py_make_scanner(decoder)
     values = []
-    end = _skip_space(text, 0)
+    end = _SPACE.match(text, 0).end()
     try:
         while end < len(text) or not (values or lines):
             start = end
@@ -199,7 +199,7 @@ def load_located_json(path: Path, lines: bool = False) -> list[tuple[int, Any]]:
             gap = _INLINE_SPACE.match(text, end).end()
             if gap < len(text) and text[gap] != "\n":
                 raise invalid(gap, "extra data after a value (one JSON value a line)")
-            end = _skip_space(text, end)
+            end = _SPACE.match(text, end).end()
     except json.JSONDecodeError as e:
         raise fail(str(path), e.lineno, f"invalid JSON at column {e.colno}: {e.msg}") from None
     except RecursionError:
@@ -210,17 +210,16 @@ def load_located_json(path: Path, lines: bool = False) -> list[tuple[int, Any]]:
 
 
 _INLINE_SPACE = re.compile(r"[ \t\r]*")
-_LONG_INTEGER = f"an integer of more than {sys.get_int_max_str_digits()} digits"
+_SPACE = json.decoder.WHITESPACE
+# Python's limit on the digits of str -> int (0: none; before 3.10.7 none, and no way to ask).
+MAX_INT_DIGITS = getattr(sys, "get_int_max_str_digits", lambda: 0)()
+_LONG_INTEGER = f"an integer of more than {MAX_INT_DIGITS} digits"
 
 
 def _long_integer(text: str, start: int) -> int:
     """Where the first integer too long for Python's str -> int starts, from `start`."""
-    found = re.compile(r"\d{%d,}" % (sys.get_int_max_str_digits() + 1)).search(text, start)
+    found = re.compile(r"\d{%d,}" % (MAX_INT_DIGITS + 1)).search(text, start)
     return found.start() if found else start
-
-
-def _skip_space(text: str, i: int) -> int:
-    return json.decoder.WHITESPACE.match(text, i).end()
 
 
 # --- fields --------------------------------------------------------------------------------------

@@ -366,6 +366,18 @@ def test_lengths_csv_skips_and_counts_rows_without_prompt_tokens(tmp_path, capsy
     assert code == 0 and out.read_text() == "" and err.strip() == (
         f"wrote 0 requests to {out}; read it with requests.format: mooncake")
 
+@pytest.mark.parametrize("stamp, micros, zoned", [
+    ("2023-11-16 18:15:46.6805900", 680590, False), ("2023-11-16 18:15:46.68059", 680590, False),
+    ("2023-11-16 18:15:46.1", 100000, False), ("2023-11-16T18:15:46.123Z", 123000, True),
+    ("2023-11-16T18:15:46Z", 0, True), ("2023-11-16 18:15:46.5+01:00", 500000, True)])
+def test_csv_dates_parse_alike_on_every_python(stamp, micros, zoned):
+    """1 to 7 fractional digits and a Z for UTC, which Python 3.10's datetime refuses (it takes
+    3 or 6 digits, no Z) and later ones take: the reader passes it 6 digits and +00:00."""
+    from kvbench.traffic.lengths_csv import _timestamp
+
+    ts = _timestamp(stamp, "TIMESTAMP")
+    assert ts.microsecond == micros and (ts.tzinfo is not None) == zoned
+
 # --- id remapping --------------------------------------------------------------------------------
 
 raw_ids = st.one_of(st.integers(0, 3), st.integers(2**38 - 2, 2**38 + 1), st.integers(-2, 2**64),

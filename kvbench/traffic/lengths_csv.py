@@ -147,10 +147,14 @@ def _timestamp(text: str, what: str):
         return value
     head, dot, frac = text.partition(".")
     digits = len(frac) - len(frac.lstrip("0123456789"))
+    iso = text
+    if digits:  # exactly 6 fractional digits, which every Python's datetime takes (3.10 takes
+        # 3 or 6, later ones up to 6; Azure writes 7); a zone may follow them
+        iso = f"{head}.{frac[:min(digits, 6)].ljust(6, '0')}{frac[digits:]}"
+    if iso.endswith("Z"):  # UTC, which datetime takes only from Python 3.11
+        iso = iso[:-1] + "+00:00"
     try:
-        # Azure writes 7 fractional digits; datetime takes at most 6 (a zone may follow them).
-        return datetime.fromisoformat(head + (dot + frac[:min(digits, 6)] + frac[digits:]
-                                              if dot else ""))
+        return datetime.fromisoformat(iso)
     except ValueError:
         raise BadField(f"'{what}' must be seconds or a date and time, got {text!r}") from None
 

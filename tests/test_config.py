@@ -429,3 +429,12 @@ def test_resolve_path(tmp_path):
     assert resolve_path(workload, workload.requests.path) == tmp_path / "traces/a.jsonl"
     assert resolve_path(workload, "/abs/t.jsonl") == Path("/abs/t.jsonl")
     assert resolve_path(Workload(), "rel.jsonl") == Path("rel.jsonl")
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "workloads")
+                                        .rglob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_workload_loads(path):
+    """Each workload file the project ships validates with every variant (its trace, which may
+    live outside the repository, is read by `kvbench validate`, not here)."""
+    wl = load_workload(path)
+    assert wl.variant_workloads()

@@ -10,9 +10,9 @@ only: floor); a `subagent` entry holds its own `requests[]`. Sub-agents are flat
 stream at their absolute times.
 
 Producers time sub-agent requests two ways: kv-cache-tester's own traces count their `t` from
-the spawn (the entry's `t`), SemiAnalysis' releases from the conversation's start. As AIPerf
-does, one reading holds for the whole input: from the spawn when some sub-agent request's `t`
-is earlier than its entry's (impossible from the conversation's start), else from the start.
+the spawn (the entry's `t`), SemiAnalysis' releases from the conversation's start. One reading
+holds for the whole input: from the spawn when some sub-agent request's `t` is earlier than its
+entry's (impossible from the conversation's start), else from the start.
 
 Ids are remapped along their chain from a root per model (different models never share KV) and,
 with local scope, per conversation. Conversations carry no absolute start, so

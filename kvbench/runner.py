@@ -87,7 +87,14 @@ def _variants(workload: Workload, streams: Store):
         source = request_source(wl, stream)
         requests = streams.once(source, lambda: _load(wl, stream))
         requests.begin_pass(wl.cache.tokens_per_block)
-        yield name, plan_run(wl, requests), requests, source
+        try:
+            plan = plan_run(wl, requests)
+        except InputError as exc:
+            if not workload.variants:
+                raise
+            # Variants differ in what makes a run fit (block size, capacity, host tier).
+            raise InputError(f"{exc} (variant {name})") from None
+        yield name, plan, requests, source
 
 
 @contextmanager

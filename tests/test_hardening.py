@@ -326,7 +326,17 @@ def test_a_cache_refused_for_its_size_is_one_error_without_the_preset_warning(
     """The GPU-size warning is for a workload that runs: where the block metadata would not
     fit this machine either, the error is the only line."""
     code, _, err = run_cli([command, tiny, "--set", "cache.max_tokens=100000000000"], capsys)
-    assert "block metadata would take" in one_error(code, err)
+    message = one_error(code, err)
+    assert "block metadata would take" in message and "(variant" not in message
+
+
+def test_a_variant_refused_before_it_runs_is_named(tiny, capsys):
+    """Variants differ in what makes a run fit: the error names the variant refused."""
+    tiny.write_text(tiny.read_text() + "variants:\n  - {name: small, set: {}}\n"
+                    "  - {name: huge, set: {cache.max_tokens: 100000000000}}\n")
+    code, _, err = run_cli(["validate", tiny], capsys)
+    message = one_error(code, err)
+    assert "block metadata would take" in message and message.endswith(" (variant huge)")
 
 
 def test_the_preset_warning_comes_once_per_workload_run(tiny, capsys):

@@ -383,6 +383,21 @@ def test_csv_dates_parse_alike_on_every_python(stamp, micros, zoned):
     ts = _timestamp(stamp, "TIMESTAMP")
     assert ts.microsecond == micros and (ts.tzinfo is not None) == zoned
 
+def test_fresh_blocks_are_one_run_of_new_ids_within_the_bound():
+    """A prompt without prefix ids takes ceil(length / block) ids nothing else has, the same
+    ids one `fresh` call per block would give; past the id bound it is one bad-field error."""
+    from kvbench.traffic.tracefile import MAX_DENSE_ID, BadField, ChainedIds
+
+    table, one_by_one = ChainedIds(start=5), ChainedIds(start=5)
+    for length, block in [(1, 16), (16, 16), (17, 16), (1000, 512), (3, 1)]:
+        want = [one_by_one.fresh() for _ in range(-(-length // block))]
+        assert table.fresh_blocks(length, block).tolist() == want
+    assert table.fresh() == one_by_one.fresh()
+    near = ChainedIds(start=MAX_DENSE_ID - 2)
+    assert near.fresh_blocks(48, 16).tolist() == [MAX_DENSE_ID - 2, MAX_DENSE_ID - 1, MAX_DENSE_ID]
+    with pytest.raises(BadField, match="distinct trace blocks"):
+        ChainedIds(start=MAX_DENSE_ID - 2).fresh_blocks(49, 16)
+
 # --- id remapping --------------------------------------------------------------------------------
 
 raw_ids = st.one_of(st.integers(0, 3), st.integers(2**38 - 2, 2**38 + 1), st.integers(-2, 2**64),

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
 
 from kvbench.traffic.mooncake import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH
 from kvbench.traffic.request import Request
@@ -89,9 +88,9 @@ class LengthsCsvReader(TraceReader):
                 offset = ts - first
                 arrival = offset.total_seconds() if isinstance(ts, datetime) else float(offset)
                 self.without_ids += 1
-                ids = [table.fresh() for _ in range(-(-input_length // UNKNOWN_BLOCK_TOKENS))]
                 yield Request(id=0, arrival_s=arrival, input_length=input_length,
-                              output_length=output_length, hash_ids=np.array(ids, dtype=np.int64),
+                              output_length=output_length,
+                              hash_ids=table.fresh_blocks(input_length, UNKNOWN_BLOCK_TOKENS),
                               trace_block_tokens=UNKNOWN_BLOCK_TOKENS)
 
 

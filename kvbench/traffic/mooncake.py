@@ -150,17 +150,15 @@ class _Ids:
     seen yet): in an int64 table indexed by id while ids are dense (a production trace has
     tens of millions: a dict would take ~100 bytes each), in a dict beyond it."""
 
-    __slots__ = ("table", "parent_of", "remap", "fresh", "seen_ids")
+    __slots__ = ("table", "parent_of", "remap", "fresh", "fresh_blocks", "seen_ids")
 
     def __init__(self) -> None:
         self.table = np.zeros(1 << 16, dtype=np.int64)
         self.parent_of: dict[int, int] = {}
         self.remap: dict = {}
-        self.fresh = ChainedIds(start=IDENTITY_IDS).fresh
+        ids = ChainedIds(start=IDENTITY_IDS)
+        self.fresh, self.fresh_blocks = ids.fresh, ids.fresh_blocks
         self.seen_ids = 0
-
-    def fresh_blocks(self, length: int, block: int) -> np.ndarray:
-        return np.array([self.fresh() for _ in range(-(-length // block))], dtype=np.int64)
 
     def chain(self, raw, input_length: int, cover: Cover, lineno: int) -> np.ndarray:
         if type(raw) is not list:

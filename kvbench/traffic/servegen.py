@@ -27,7 +27,6 @@ from kvbench.traffic.tracefile import (
     check_hash_id,
     check_int,
     fail,
-    ids_array,
     need,
     need_int,
     need_str,
@@ -71,7 +70,7 @@ class ServeGenReader(HashIdReader):
                     ids = chained_hash_ids(obj, table, self.cover, input_length, lineno)
                 else:
                     self.without_ids += 1
-                    ids = ids_array([table.fresh() for _ in range(-(-input_length // block))])
+                    ids = table.fresh_blocks(input_length, block)
             except BadField as e:
                 raise fail(name, lineno, str(e)) from None
             yield Request(id=0, arrival_s=next(arrivals), input_length=input_length,

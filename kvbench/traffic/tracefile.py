@@ -119,8 +119,7 @@ class _Decompressed:
 def jsonl_records(path: Path) -> Iterator[tuple[int, dict]]:
     """(line number, object) of every non-blank line of a JSONL file; a line that is not a JSON
     object fails with its line number. Opened at the call, so a missing file fails there."""
-    f = open_binary(path)
-    return _jsonl(f, str(path))
+    return _jsonl(open_binary(path), str(path))
 
 
 def _jsonl(f, name: str) -> Iterator[tuple[int, dict]]:
@@ -366,6 +365,12 @@ class ChainedIds:
         self._next = dense + 1
         return dense
 
+    def fresh_blocks(self, length: int, block: int) -> np.ndarray:
+        """Ids nothing else has for a `length`-token prompt without prefix ids, one a block."""
+        start = self._next
+        self._next += -(-length // block) - 1
+        return np.arange(start, self.fresh() + 1, dtype=np.int64)  # fresh checks the bound
+
 
 class Cover:
     """The length convention of hash ids: `ceil` (one id per block, the partial last one
@@ -421,10 +426,6 @@ class Cover:
         if not self.lines:  # no record had hash ids (ServeGen stat traces, AIPerf without ids)
             return "none (no record has hash_ids)"
         return f"ceil or floor (every input_length a multiple of {self.block})"
-
-
-def ids_array(ids: list[int]) -> np.ndarray:
-    return np.array(ids, dtype=np.int64)
 
 
 # --- sessions ------------------------------------------------------------------------------------
@@ -596,4 +597,4 @@ def chained_hash_ids(obj: dict, table: ChainedIds, cover: Cover, input_length: i
     dense = table.chain(raw, root)
     if tail:
         dense.append(table.fresh())
-    return ids_array(dense)
+    return np.array(dense, dtype=np.int64)

@@ -417,6 +417,10 @@ class ShadowDuel:
         self._period = period
         self._halve_at = period
 
+    def picked(self, keys: np.ndarray) -> np.ndarray:
+        """Which of `keys` are sampled: a mask (no index array to make)."""
+        return self.sampled[keys % SAMPLE_PRIME]
+
     def own_leads(self, clock: int) -> bool:
         """Whether the policy's own shadow held at least as many sampled keys as the LRU
         shadow, the counts halved for every period up to `clock`."""

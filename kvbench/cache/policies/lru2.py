@@ -72,7 +72,7 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import SAMPLE_PRIME, TICK_SHIFT, KeyHistory, ShadowDuel, chain_keys, tick_entries
+from .base import TICK_SHIFT, KeyHistory, ShadowDuel, chain_keys, tick_entries
 
 _LEVEL_BITS = 7
 _LEVEL_MASK = (1 << _LEVEL_BITS) - 1
@@ -180,7 +180,7 @@ class LRU2Policy:
         duel = self.shadows
         if duel:  # the sampled keys (a partial block has none) and their ranks
             deep = known[::-1]  # deepest first, as the pool's pushes
-            picked = duel.sampled[deep % SAMPLE_PRIME]  # a mask: no index array to make
+            picked = duel.picked(deep)
             keys = deep[picked].tolist()
             if keys:
                 self._shadow(duel, keys, ranks[partial:][picked].tolist())

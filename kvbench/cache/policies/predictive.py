@@ -42,8 +42,7 @@ import numpy as np
 
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import (LOW_BYTE, SAMPLE_PRIME, ClassQueuePolicy, KeyHistory, ShadowDuel,
-                   chain_keys, tick_entries)
+from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, ShadowDuel, chain_keys, tick_entries
 
 # A third shadow at 1/8 of the boost, tried on the shipped traces and on agent-like traffic,
 # gained at most 0.06 pp and slowed the replay by a fifth: the choice is all or nothing.
@@ -151,7 +150,7 @@ class PredictivePolicy(ClassQueuePolicy):
         """Replay a release's sampled keys (`keys` shallowest first, `caps` their capped
         classes) against the LRU and the boosted shadow; halve the counts every history
         period and apply the boost while its shadow held at least as many."""
-        picked = duel.sampled[keys % SAMPLE_PRIME]
+        picked = duel.picked(keys)
         if np.count_nonzero(picked):
             sampled = keys[picked][::-1].tolist()  # deepest first, as the pool's pushes
             caps = caps[picked]

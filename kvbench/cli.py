@@ -409,7 +409,9 @@ def calibrate(
 
 FormatOption = Annotated[str, typer.Option(
     "--format", help="Trace format (requests.format): auto, mooncake, bailian, servegen, weka, "
-    "token_ids, lengths_csv.")]
+    "token_ids, lengths_csv, chat.")]
+TokenizerOption = Annotated[str, typer.Option(
+    "--tokenizer", help="Chat traces (requests.tokenizer): approx or a tokenizer.json.")]
 BlockTokensOption = Annotated[Optional[int], typer.Option(
     "--block-tokens", min=1, help="Tokens per hash id (requests.block_tokens); default: the "
     "format's.")]
@@ -422,9 +424,9 @@ SessionsOption = Annotated[str, typer.Option(
 
 
 def _open_trace(trace: Path, fmt: str, block_tokens: Optional[int], cover: Optional[str],
-                sessions: str):
+                sessions: str, tokenizer: str):
     from .traffic import FORMATS, TraceOptions, open_trace
-    from .traffic.tracefile import SessionStart
+    from .traffic.sessions import SessionStart
 
     if fmt not in FORMATS:
         raise InputError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -442,7 +444,7 @@ def _open_trace(trace: Path, fmt: str, block_tokens: Optional[int], cover: Optio
         raise InputError(f"--sessions: expected back_to_back, stagger:SECONDS or poisson:RATE "
                          f"(a positive number), got {sessions!r}") from None
     return open_trace(trace, fmt, TraceOptions(block_tokens=block_tokens, hash_ids_cover=cover,
-                                               sessions=start))
+                                               sessions=start, tokenizer=tokenizer))
 
 
 @trace_app.command("stats", epilog=_example(
@@ -455,6 +457,7 @@ def trace_stats_cmd(
     block_tokens: BlockTokensOption = None,
     cover: CoverOption = None,
     sessions: SessionsOption = "back_to_back",
+    tokenizer: TokenizerOption = "approx",
 ) -> None:
     """Summarise a trace: format, native block size and length convention, size, rate, length
     percentiles, ideal hit rate by block size (below the native block size: not resolvable)."""
@@ -463,7 +466,7 @@ def trace_stats_cmd(
     from .traffic import trace_stats
 
     json_out = output_file(json_path, "--json") if json_path is not None else None
-    reader = _open_trace(trace, fmt, block_tokens, cover, sessions)
+    reader = _open_trace(trace, fmt, block_tokens, cover, sessions, tokenizer)
     stats = trace_stats(list(reader), reader=reader)
     if json_out is not None:
         json_out.write_text(_json_text(stats))
@@ -483,6 +486,7 @@ def trace_convert_cmd(
     block_tokens: BlockTokensOption = None,
     cover: CoverOption = None,
     sessions: SessionsOption = "back_to_back",
+    tokenizer: TokenizerOption = "approx",
     out_block_tokens: Annotated[Optional[int], typer.Option(
         "--out-block-tokens", min=1, help="Block size of the Mooncake ids written for a "
         "token-id trace (a hash-id trace keeps its own).")] = None,
@@ -499,11 +503,11 @@ def trace_convert_cmd(
     if tile is not None:
         if to != "mooncake":
             raise InputError("--tile: writes Mooncake JSONL only (--to mooncake)")
-        n, block = tile_trace(
-            lambda: _open_trace(trace, fmt, block_tokens, cover, sessions), target, tile)
+        n, block = tile_trace(lambda: _open_trace(trace, fmt, block_tokens, cover, sessions,
+                                                  tokenizer), target, tile)
     else:
-        n, block = convert(_open_trace(trace, fmt, block_tokens, cover, sessions), target, to,
-                           out_block_tokens)
+        n, block = convert(_open_trace(trace, fmt, block_tokens, cover, sessions, tokenizer),
+                           target, to, out_block_tokens)
     if not quiet and not target.is_stdout:
         how = (f"requests.format: {to}" + (f", requests.block_tokens: {block}"  # None: no ids
                                             if to == "mooncake" and block is not None else ""))

@@ -55,6 +55,10 @@ class SessionsConfig(Section):
     rate: float | None = Field(
         None, gt=0, validate_default=True, description="poisson: sessions started per second."
     )
+    turn_interval_s: float = Field(
+        30.0, ge=0, le=1e9, description="Seconds between the turns of a conversation whose "
+        "trace gives no times (chat traces)."
+    )
 
     @field_validator("interval_s")
     @classmethod
@@ -149,7 +153,7 @@ class RequestsConfig(Section):
         "synthetic", description="synthetic generator or trace file."
     )
     format: Literal["auto", "mooncake", "bailian", "servegen", "weka", "token_ids",
-                    "lengths_csv"] = Field(
+                    "lengths_csv", "chat"] = Field(
         "auto", description="Trace format; auto = sniffed from the first record."
     )
     path: str | None = Field(
@@ -173,7 +177,11 @@ class RequestsConfig(Section):
     )
     output_length: int = Field(
         128, ge=0, description="Output tokens of each request of a trace that records none "
-        "(ServeGen's content-hash traces)."
+        "(ServeGen's content-hash traces, chat requests without max_tokens)."
+    )
+    tokenizer: str = Field(
+        "approx", min_length=1, description="Chat traces: approx (built in, approximate counts)"
+        " or a Hugging Face tokenizer.json (or its folder), relative to the YAML file."
     )
     limit: int | None = Field(None, gt=0, description="Use only the first N requests.")
     skip: int = Field(

@@ -21,7 +21,8 @@ from kvbench.errors import InputError
 from kvbench.oracle import reference_hit_rates
 from kvbench.traffic import TraceOptions, TraceWarning, open_trace, sniff, trace_stats
 from kvbench.traffic.request import Request
-from kvbench.traffic.tracefile import MAX_INT_DIGITS, SessionStart
+from kvbench.traffic.sessions import SessionStart
+from kvbench.traffic.tracefile import MAX_INT_DIGITS
 
 ROOT = Path(__file__).resolve().parents[1]
 B = 4  # hash block size of the small brute-force traces

@@ -325,8 +325,9 @@ def test_multi_turn_keeps_num_users_sessions_in_flight():
 def requests_cfg(**kw):
     cfg = dict(source="synthetic", synthetic=synth(), limit=None, skip=0, time_scale=1.0,
                format="mooncake", path=None, block_tokens=None, hash_ids_cover=None,
-               sessions=SimpleNamespace(start="back_to_back", interval_s=None, rate=None),
-               output_length=128)
+               sessions=SimpleNamespace(start="back_to_back", interval_s=None, rate=None,
+                                        turn_interval_s=30.0),
+               output_length=128, tokenizer="approx")
     cfg.update(kw)
     return SimpleNamespace(**cfg)
 

@@ -97,7 +97,40 @@ def write_samples(folder: Path, seed: int = 0) -> dict[str, Path]:
         f"2023-11-16 18:{int(t) // 60:02d}:{t % 60:09.6f}0,{len(toks)},{out}\n"
         for t, toks, out, _ in reqs))
     paths["lengths_csv"] = csv
+    paths["chat"] = write_lines(folder / "chat.jsonl", (
+        {"id": f"conv-{s}", "conversations": chat_messages(turns)}
+        for s, turns in enumerate(chat_sessions(seed))))
     return paths
+
+
+def words(tokens: list[int]) -> str:
+    """Text whose every token is one word: a space and the id in letters (`approx` reads each
+    such word as one token, so the text has exactly these tokens' sharing)."""
+    out = []
+    for t in tokens:
+        letters = ""
+        while True:
+            t, d = divmod(t, 26)
+            letters += chr(97 + d)
+            if not t:
+                break
+        out.append(" " + letters)
+    return "".join(out)
+
+
+def chat_messages(turns) -> list[dict]:
+    """A session's turns as ShareGPT messages: the system prompt, then per turn the user's new
+    tokens and the answer (as many words as the turn's output length)."""
+    system = turns[0][1][:SYSTEM_TOKENS]
+    messages = [{"from": "system", "value": words(system)}]
+    seen = len(system)
+    for i, (_, toks, out) in enumerate(turns):
+        messages.append({"from": "human", "value": words(toks[seen:])})
+        # The next turn's prompt holds this answer; the last answer is never read again.
+        nxt = turns[i + 1][1] if i + 1 < len(turns) else toks + [0] * out
+        messages.append({"from": "gpt", "value": words(nxt[len(toks):len(toks) + out])})
+        seen = len(toks) + out
+    return messages
 
 
 if __name__ == "__main__":

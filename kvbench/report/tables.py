@@ -96,6 +96,9 @@ def trace_stats_table(name: str, stats: dict) -> Table:
     table.add_row("native block size", "none (no prefix information)" if native is None
                   else "exact tokens" if native == 1 else f"{native} tokens/id")
     table.add_row("length convention", stats["convention"])
+    if stats["tokenizer"] is not None:
+        table.add_row("tokenizer", "approx (approximate counts)" if stats["tokenizer"] == "approx"
+                      else stats["tokenizer"])
     if stats["requests_without_prefix_info"]:
         table.add_row("requests without prefix information",
                       f"{stats['requests_without_prefix_info']:,}")

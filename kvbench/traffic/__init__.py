@@ -13,7 +13,9 @@ from kvbench.traffic.formats import FORMATS, open_trace, sniff
 from kvbench.traffic.mooncake import read_mooncake
 from kvbench.traffic.request import Request, RequestList
 from kvbench.traffic.synthetic import generate
-from kvbench.traffic.tracefile import SessionStart, TraceOptions, TraceReader
+from kvbench.traffic.tokenize import APPROX
+from kvbench.traffic.sessions import SessionStart
+from kvbench.traffic.tracefile import TraceOptions, TraceReader
 
 __all__ = ["FORMATS", "Request", "RequestList", "TraceOptions", "TraceReader", "TraceWarning", "generate",
            "describe_source", "load_requests", "open_trace", "read_mooncake", "sniff", "trace_options",
@@ -70,11 +72,12 @@ def _load_all(requests_cfg, *, base_dir: Path, seed: int
 def workload_trace(requests_cfg, *, base_dir: Path, seed: int) -> TraceReader:
     """The reader of a `requests` section's trace, with the section's options."""
     return open_trace(trace_path(requests_cfg, base_dir), requests_cfg.format,
-                      trace_options(requests_cfg, seed))
+                      trace_options(requests_cfg, seed, base_dir))
 
 
-def trace_path(requests_cfg, base_dir: Path) -> Path:
-    path = Path(requests_cfg.path).expanduser()
+def trace_path(requests_cfg, base_dir: Path, path: str | None = None) -> Path:
+    """`requests.path` (or another path of the section) resolved against the YAML's folder."""
+    path = Path(path or requests_cfg.path).expanduser()
     return path if path.is_absolute() else base_dir / path
 
 
@@ -90,21 +93,29 @@ def describe_source(requests_cfg, base_dir: Path) -> str | None:
     except InputError:
         shown = fmt
     text = f"requests: {shown} trace {path}"
-    if shown.split()[0] in ("weka", "servegen"):
+    if shown.split()[0] in ("weka", "servegen", "chat"):
         s = requests_cfg.sessions
         how = {"back_to_back": "back_to_back", "stagger": f"stagger every {s.interval_s} s",
                "poisson": f"poisson at {s.rate}/s"}[s.start]
         text += f"; sessions start {how} (requests.sessions)"
+    if shown.split()[0] == "chat":
+        text += (f", turns {requests_cfg.sessions.turn_interval_s:g} s apart; tokens: "
+                 + ("approx, counts approximate (requests.tokenizer)"
+                    if requests_cfg.tokenizer == APPROX else requests_cfg.tokenizer))
     return text
 
 
-def trace_options(requests_cfg, seed: int) -> TraceOptions:
+def trace_options(requests_cfg, seed: int, base_dir: Path = Path(".")) -> TraceOptions:
     """The reader options of a workload's `requests` section."""
     sessions = requests_cfg.sessions
+    tokenizer = requests_cfg.tokenizer
+    if tokenizer != APPROX:
+        tokenizer = str(trace_path(requests_cfg, base_dir, tokenizer))
     return TraceOptions(
         block_tokens=requests_cfg.block_tokens, hash_ids_cover=requests_cfg.hash_ids_cover,
-        sessions=SessionStart(sessions.start, sessions.interval_s, sessions.rate),
-        output_length=requests_cfg.output_length, seed=seed,
+        sessions=SessionStart(sessions.start, sessions.interval_s, sessions.rate,
+                              sessions.turn_interval_s),
+        output_length=requests_cfg.output_length, tokenizer=tokenizer, seed=seed,
         time_scale=requests_cfg.time_scale, limit=requests_cfg.limit)
 
 
@@ -147,6 +158,7 @@ def trace_stats(
             "format": reader.format,
             "native_block_tokens": native,
             "convention": reader.convention(),
+            "tokenizer": reader.tokenizer.name if reader.tokenizer is not None else None,
             "requests_without_prefix_info": reader.without_ids,
             "records_without_prompt": reader.without_prompt,
             "ideal_resolvable": {bs: native is not None and bs >= native for bs in block_sizes},

@@ -7,16 +7,18 @@ from pathlib import Path
 
 from kvbench.errors import InputError
 from kvbench.traffic.bailian import BailianReader
+from kvbench.traffic.chat import MESSAGE_KEYS, ChatReader
 from kvbench.traffic.lengths_csv import LAYOUTS, LengthsCsvReader
 from kvbench.traffic.mooncake import MooncakeReader
 from kvbench.traffic.servegen import ServeGenReader
 from kvbench.traffic.token_ids import TokenIdsReader
+from kvbench.traffic.tokenize import APPROX
 from kvbench.traffic.tracefile import MAX_INT_DIGITS, TraceOptions, TraceReader, open_binary
 from kvbench.traffic.weka import WekaReader
 
 READERS: dict[str, type[TraceReader]] = {
     r.format: r for r in (MooncakeReader, BailianReader, ServeGenReader, WekaReader,
-                          TokenIdsReader, LengthsCsvReader)
+                          TokenIdsReader, LengthsCsvReader, ChatReader)
 }
 FORMATS = ("auto", *READERS)
 _SNIFF_BYTES = 1 << 16
@@ -33,6 +35,9 @@ def open_trace(path: Path, fmt: str = "auto", opts: TraceOptions = TraceOptions(
     if reader is None:
         raise InputError(f"requests.format: unknown trace format {fmt!r} (expected one of "
                          f"{', '.join(FORMATS)})")
+    if opts.tokenizer != APPROX and reader is not ChatReader:
+        raise InputError(f"requests.tokenizer: only chat traces are tokenized (this trace is "
+                         f"{fmt})")
     return reader(path, opts)
 
 
@@ -46,6 +51,14 @@ def sniff(path: Path) -> tuple[str, str]:
     text = head.decode("utf-8", errors="replace").lstrip("\ufeff")
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
     obj = None
+    if first.lstrip().startswith("["):  # one JSON array of records: only chat traces
+        element = _first_element(text.lstrip(), path)
+        found = _by_keys(element) if isinstance(element, dict) else None
+        if found is not None and found[0] == "chat":
+            return found
+        raise InputError(f"{path}:1: a JSON array whose first element is not a chat record "
+                         f"(`messages`, `conversations` or `prompt`); the other formats are "
+                         f"JSON Lines")
     if first.lstrip().startswith("{"):
         try:
             obj = json.loads(first, parse_int=_sniff_int)
@@ -78,6 +91,22 @@ def _whole_json(path: Path):
     return None
 
 
+def _first_element(text: str, path: Path):
+    """The first element of a JSON array starting `text`, reading up to 64 MiB of the file
+    when the sniffed bytes end inside it."""
+    for attempt in (text, None):
+        if attempt is None:
+            with open_binary(path) as f:
+                raw = f.read(_WHOLE_JSON_BYTES)
+            attempt = raw.decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n")
+        start = json.decoder.WHITESPACE.match(attempt, 1).end()
+        try:
+            return json.JSONDecoder(parse_int=_sniff_int).raw_decode(attempt, start)[0]
+        except (json.JSONDecodeError, RecursionError):
+            pass
+    return None
+
+
 def _sniff_int(text: str) -> int | float:
     """A JSON integer while sniffing, which needs only the keys: one too long for Python's
     str -> int is not a reason to say nothing (the reader then names its line)."""
@@ -88,6 +117,11 @@ def _by_keys(obj: dict) -> tuple[str, str] | None:
     if "requests" in obj and "block_size" in obj:
         return "weka", (f"a kv-cache-tester trace (`requests`, `block_size: "
                         f"{json.dumps(obj['block_size'])}`)")
+    body = obj["body"] if isinstance(obj.get("body"), dict) else obj
+    chat = [k for k in MESSAGE_KEYS if k in body] or (
+        ["prompt"] if isinstance(body.get("prompt"), str) else [])
+    if chat:
+        return "chat", f"a chat trace (`{chat[0]}`)"
     if "input_ids" in obj:
         return "token_ids", "a token-id trace (`input_ids`)"
     if "chat_id" in obj or "parent_chat_id" in obj:

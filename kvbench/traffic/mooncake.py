@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.traffic.request import _END_BITS, Request
+from kvbench.traffic.sessions import session_starts
 from kvbench.traffic.tracefile import (
     BadField,
     ChainedIds,
@@ -34,7 +35,6 @@ from kvbench.traffic.tracefile import (
     check_number,
     fail,
     need,
-    session_starts,
     show,
 )
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 from kvbench.traffic.mooncake import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH
 from kvbench.traffic.request import Request
+from kvbench.traffic.sessions import single_request_arrivals
 from kvbench.traffic.tracefile import (
     BadField,
     ChainedIds,
@@ -31,7 +32,6 @@ from kvbench.traffic.tracefile import (
     need_int,
     need_str,
     show,
-    single_request_arrivals,
 )
 
 SERVEGEN_BLOCK_TOKENS = 16

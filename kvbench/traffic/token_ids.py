@@ -13,6 +13,7 @@ import numpy as np
 
 from kvbench.traffic.mooncake import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH
 from kvbench.traffic.request import Request
+from kvbench.traffic.sessions import single_request_arrivals
 from kvbench.traffic.tracefile import (
     BadField,
     TraceOptions,
@@ -25,7 +26,6 @@ from kvbench.traffic.tracefile import (
     need_int,
     need_list,
     show,
-    single_request_arrivals,
 )
 
 # Not only vocabulary ids: `kvbench trace convert --to token_ids` writes derived tokens.

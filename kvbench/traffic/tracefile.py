@@ -33,6 +33,7 @@ import numpy as np
 
 from kvbench.errors import InputError, TraceWarning
 from kvbench.infile import open_input
+from kvbench.traffic.sessions import SessionStart
 
 # Request packs (hash id, prefix end) into one int64 key (`request._END_BITS`); ids stay below.
 MAX_DENSE_ID = (1 << 39) - 1
@@ -428,59 +429,7 @@ class Cover:
         return f"ceil or floor (every input_length a multiple of {self.block})"
 
 
-# --- sessions ------------------------------------------------------------------------------------
-
-
-def session_starts(durations: list[float], sessions_cfg, seed: int) -> list[float]:
-    """Start time of each session, in order: `back_to_back` (each when the previous one's last
-    request arrives), `stagger` (every `interval_s`), `poisson` (exponential gaps at `rate`
-    per second, seeded by run.seed)."""
-    start = sessions_cfg.start
-    n = len(durations)
-    if start == "back_to_back":
-        out, t = [], 0.0
-        for d in durations:
-            out.append(t)
-            t += d
-        return out
-    if start == "stagger":
-        return [i * sessions_cfg.interval_s for i in range(n)]
-    gaps = np.random.default_rng(seed).exponential(1.0 / sessions_cfg.rate, size=n)
-    gaps[:1] = 0.0
-    return np.cumsum(gaps).tolist()
-
-
-def single_request_arrivals(sessions_cfg, seed: int) -> Iterator[float]:
-    """Arrivals of requests that each stand alone (no times in the trace), as `session_starts`
-    for sessions of one request: `back_to_back` puts every one at 0, in file order."""
-    start = sessions_cfg.start
-    if start == "back_to_back":
-        while True:
-            yield 0.0
-    if start == "stagger":
-        i = 0
-        while True:
-            yield i * sessions_cfg.interval_s
-            i += 1
-    rng = np.random.default_rng(seed)
-    t = 0.0
-    yield t
-    while True:
-        for gap in rng.exponential(1.0 / sessions_cfg.rate, size=1024).tolist():
-            t += gap
-            yield t
-
-
 # --- readers -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class SessionStart:
-    """How sessions without absolute times start (`requests.sessions`)."""
-
-    start: str = "back_to_back"
-    interval_s: float | None = None
-    rate: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,6 +440,8 @@ class TraceOptions:
     hash_ids_cover: str | None = None
     sessions: Any = SessionStart()
     output_length: int = 128
+    tokenizer: str = "approx"
+    """Text traces: `approx`, or the path of a tokenizer.json (`tokenize.open_tokenizer`)."""
     seed: int = 0
     time_scale: float = 1.0
     limit: int | None = None
@@ -521,6 +472,8 @@ class TraceReader:
         self.without_ids = 0
         self.without_prompt = 0
         self.requests = 0
+        self.tokenizer = None
+        """What turns a text trace's text into token ids (`tokenize.py`); None: not text."""
 
     def _requests(self) -> Iterator:
         raise NotImplementedError

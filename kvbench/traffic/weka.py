@@ -28,6 +28,7 @@ from pathlib import Path
 from kvbench.errors import InputError
 from kvbench.traffic.mooncake import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH
 from kvbench.traffic.request import Request
+from kvbench.traffic.sessions import session_starts
 from kvbench.traffic.tracefile import (
     MAX_BLOCK_TOKENS,
     BadField,
@@ -47,7 +48,6 @@ from kvbench.traffic.tracefile import (
     need_list,
     need_number,
     need_str,
-    session_starts,
     show,
 )
 

@@ -1,0 +1,99 @@
+"""Text to token ids for text traces (`requests.format: chat`): `requests.tokenizer`.
+
+`approx` (the default) needs no model files: text is split as a GPT-4-style BPE pre-tokenizer
+splits it (a word with the character before it, a run of up to 3 digits, a run of punctuation,
+whitespace), letter runs are cut every `APPROX_LETTERS` characters (a BPE vocabulary spells a
+long or rare word with several tokens), and every distinct piece is one token id. Equal texts
+always get equal ids, so prefix sharing is exact; the counts are close to a real tokenizer's,
+not equal to them. Measured on about 3 MB each of English prose, Python code and markdown with
+code blocks, the total came to 0.96-1.01x of cl100k's, o200k's, Llama 3's and DeepSeek-V3's
+(per document, the 10th to 90th percentile 0.89-1.09x) and 0.89-0.98x of Claude 2's; a cut at
+6 or 10 letters was further off (1.05-1.14x, 0.89-0.97x). A path names a Hugging Face `tokenizer.json` (or a folder holding one), read
+with the `tokenizers` package: the model's own token ids and counts.
+
+Texts are encoded piece by piece by the caller (a chat message's role header, then its
+content), so a prompt's tokens are a prefix of the next turn's, as a chat template's special
+tokens keep them in a serving engine.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from kvbench.errors import InputError
+
+APPROX = "approx"
+APPROX_LETTERS = 8
+"""Letters per token, at most, in `approx` (a longer letter run is several tokens)."""
+# cl100k's pre-tokenizer pattern, with \p{L} and \p{N} spelt for Python's `re`.
+_PIECES = re.compile(
+    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\w]?[^\W\d_]+|\d{1,3}| ?[^\s\w]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+")
+
+
+class ApproxTokenizer:
+    """Pieces of text as tokens (module docstring); ids in order of first appearance."""
+
+    __slots__ = ("_ids",)
+    name = APPROX
+    exact = False
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        ids = self._ids
+        out = []
+        for text in texts:
+            pieces: list[str] = []
+            for piece in _PIECES.findall(text):
+                if len(piece) <= APPROX_LETTERS:
+                    pieces.append(piece)
+                else:
+                    pieces.extend(piece[i:i + APPROX_LETTERS]
+                                  for i in range(0, len(piece), APPROX_LETTERS))
+            for piece in pieces:
+                if piece not in ids:
+                    ids[piece] = len(ids)
+            out.append(np.fromiter(map(ids.__getitem__, pieces), np.int64, len(pieces)))
+        return out
+
+
+class FileTokenizer:
+    """A Hugging Face `tokenizer.json`, through the `tokenizers` package; no special tokens
+    are added (the caller's template stands for them)."""
+
+    __slots__ = ("name", "_tok")
+    exact = True
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise InputError(f"requests.tokenizer: reading {path} needs the tokenizers package "
+                             "(pip install tokenizers), or use 'approx'") from None
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise InputError(f"requests.tokenizer: no tokenizer file {file} (expected a "
+                             "tokenizer.json or a folder holding one, or 'approx')")
+        try:
+            self._tok = Tokenizer.from_file(str(file))
+        except Exception as e:  # the Rust side raises its own exception types
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise InputError(f"{file}: not a Hugging Face tokenizer.json ({first})") from None
+        self.name = str(file)
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.array(e.ids, np.int64)
+                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+
+def open_tokenizer(spec: str, base_dir: Path = Path(".")):
+    """`approx`, or the tokenizer file at `spec` (relative to `base_dir`)."""
+    if spec == APPROX:
+        return ApproxTokenizer()
+    path = Path(spec).expanduser()
+    return FileTokenizer(path if path.is_absolute() else base_dir / path)

@@ -6,9 +6,9 @@ whitespace), letter runs are cut every `APPROX_LETTERS` characters (a BPE vocabu
 long or rare word with several tokens), and every distinct piece is one token id. Equal texts
 always get equal ids, so prefix sharing is exact; the counts are close to a real tokenizer's,
 not equal to them. Measured on about 3 MB each of English prose, Python code and markdown with
-code blocks, the total came to 0.96-1.01x of cl100k's, o200k's, Llama 3's and DeepSeek-V3's
-(per document, the 10th to 90th percentile 0.89-1.09x) and 0.89-0.98x of Claude 2's; a cut at
-6 or 10 letters was further off (1.05-1.14x, 0.89-0.97x). A path names a Hugging Face `tokenizer.json` (or a folder holding one), read
+code blocks, the total came to 0.95-1.01x of cl100k's, o200k's, Llama 3's and DeepSeek-V3's
+(per document, the 10th to 90th percentile 0.89-1.09x) and 0.89-0.98x of Claude 2's; cuts at 6
+and 10 letters were further off (1.07-1.14x and 0.89-0.97x of the first four). A path names a Hugging Face `tokenizer.json` (or a folder holding one), read
 with the `tokenizers` package: the model's own token ids and counts.
 
 Texts are encoded piece by piece by the caller (a chat message's role header, then its

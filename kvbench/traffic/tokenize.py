@@ -8,8 +8,10 @@ always get equal ids, so prefix sharing is exact; the counts are close to a real
 not equal to them. Measured on about 3 MB each of English prose, Python code and markdown with
 code blocks, the total came to 0.95-1.01x of cl100k's, o200k's, Llama 3's and DeepSeek-V3's
 (per document, the 10th to 90th percentile 0.89-1.09x) and 0.89-0.98x of Claude 2's; cuts at 6
-and 10 letters were further off (1.07-1.14x and 0.89-0.97x of the first four). A path names a Hugging Face `tokenizer.json` (or a folder holding one), read
-with the `tokenizers` package: the model's own token ids and counts.
+and 10 letters were further off (1.07-1.14x and 0.89-0.97x of the first four).
+
+A path names a Hugging Face `tokenizer.json` (or a folder holding one), read with the
+`tokenizers` package: the model's own token ids and counts.
 
 Texts are encoded piece by piece by the caller (a chat message's role header, then its
 content), so a prompt's tokens are a prefix of the next turn's, as a chat template's special

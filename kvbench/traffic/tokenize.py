@@ -2,13 +2,13 @@
 
 `approx` (the default) needs no model files: text is split as a GPT-4-style BPE pre-tokenizer
 splits it (a word with the character before it, a run of up to 3 digits, a run of punctuation,
-whitespace), letter runs are cut every `APPROX_LETTERS` characters (a BPE vocabulary spells a
+whitespace), letter runs are cut every `APPROX_LETTERS` letters (a BPE vocabulary spells a
 long or rare word with several tokens), and every distinct piece is one token id. Equal texts
 always get equal ids, so prefix sharing is exact; the counts are close to a real tokenizer's,
 not equal to them. Measured on about 3 MB each of English prose, Python code and markdown with
-code blocks, the total came to 0.95-1.01x of cl100k's, o200k's, Llama 3's and DeepSeek-V3's
-(per document, the 10th to 90th percentile 0.89-1.09x) and 0.89-0.98x of Claude 2's; cuts at 6
-and 10 letters were further off (1.07-1.14x and 0.89-0.97x of the first four).
+code blocks, the total came to 0.95-1.07x of the totals of cl100k, o200k, Llama 3, DeepSeek-V3
+and Claude 2 (per document, the 10th to 90th percentiles within 0.86-1.17x); cuts every 7 or
+8 letters counted further below (0.89-1.00x, 0.86-0.97x).
 
 A path names a Hugging Face `tokenizer.json` (or a folder holding one), read with the
 `tokenizers` package: the model's own token ids and counts.
@@ -28,12 +28,21 @@ import numpy as np
 from kvbench.errors import InputError
 
 APPROX = "approx"
-APPROX_LETTERS = 8
+APPROX_LETTERS = 6
 """Letters per token, at most, in `approx` (a longer letter run is several tokens)."""
-# cl100k's pre-tokenizer pattern, with \p{L} and \p{N} spelt for Python's `re`.
+# cl100k's pre-tokenizer pattern, with \p{L} and \p{N} spelt for Python's `re`, and letter
+# runs cut by the pattern itself (a piece per match: no Python work per piece but a lookup).
 _PIECES = re.compile(
-    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\w]?[^\W\d_]+|\d{1,3}| ?[^\s\w]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+")
+    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\w]?[^\W\d_]{1,%d}|\d{1,3}| ?[^\s\w]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+" % APPROX_LETTERS)
+
+
+class _Vocabulary(dict):
+    """Piece -> id, a new piece taking the next id (only a miss runs Python code)."""
+
+    def __missing__(self, piece: str) -> int:
+        self[piece] = n = len(self)
+        return n
 
 
 class ApproxTokenizer:
@@ -41,26 +50,16 @@ class ApproxTokenizer:
 
     __slots__ = ("_ids",)
     name = APPROX
-    exact = False
 
     def __init__(self) -> None:
-        self._ids: dict[str, int] = {}
+        self._ids = _Vocabulary()
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
-        ids = self._ids
+        lookup = self._ids.__getitem__
         out = []
         for text in texts:
-            pieces: list[str] = []
-            for piece in _PIECES.findall(text):
-                if len(piece) <= APPROX_LETTERS:
-                    pieces.append(piece)
-                else:
-                    pieces.extend(piece[i:i + APPROX_LETTERS]
-                                  for i in range(0, len(piece), APPROX_LETTERS))
-            for piece in pieces:
-                if piece not in ids:
-                    ids[piece] = len(ids)
-            out.append(np.fromiter(map(ids.__getitem__, pieces), np.int64, len(pieces)))
+            pieces = _PIECES.findall(text)
+            out.append(np.fromiter(map(lookup, pieces), np.int64, len(pieces)))
         return out
 
 
@@ -69,7 +68,6 @@ class FileTokenizer:
     are added (the caller's template stands for them)."""
 
     __slots__ = ("name", "_tok")
-    exact = True
 
     def __init__(self, path: Path) -> None:
         try:

@@ -90,11 +90,18 @@ def test_openai_requests_batch_lines_and_prompts(tmp_path):
          "max_completion_tokens": 50, "max_tokens": 9},
         {"custom_id": "r3", "method": "POST", "body": {"messages": [
             {"role": "user", "content": "hi"}]}},
-        {"prompt": "Once upon a time"})
+        {"prompt": "Once upon a time"},
+        {"model": "m", "instructions": "You are a helpful assistant.", "max_output_tokens": 3,
+         "input": [{"role": "user", "content": [{"type": "input_text",
+                                                 "text": "What is a KV cache?"}]}]},
+        {"input": "Once upon a time"})
     assert sniff(path)[0] == "chat"
     with pytest.warns(TraceWarning, match="1 message parts that are not text"):
         reqs = read(path, output_length=7)
-    assert [r.output_length for r in reqs] == [100, 50, 7, 7]
+    assert [r.output_length for r in reqs] == [100, 50, 7, 7, 3, 7]
+    # Responses API: `instructions` is the system message, `input` the messages or a prompt.
+    assert reqs[4].tokens.tolist() == reqs[0].tokens.tolist()
+    assert reqs[5].tokens.tolist() == reqs[3].tokens.tolist()
     assert all(r.output_tokens is None for r in reqs)  # the answer is not in the log
     # A logged call with its history shares the earlier call's prompt, bar its last header.
     a, b = reqs[0].tokens, reqs[1].tokens
@@ -153,7 +160,9 @@ def test_approx_tokenizer_pieces():
     ({"prompt": ["a", "b"]}, "'prompt' must be a string, got [\"a\", \"b\"]"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
      "'max_tokens' must be in [0, 16777215], got -1"),
-    ({"text": "x"}, "expected 'messages', 'conversations', 'conversation' or 'prompt'"),
+    ({"text": "x"}, "expected 'messages', 'conversations', 'conversation', 'input' or "
+                    "'prompt'"),
+    ({"input": 3}, "'input' must be a non-empty list of messages, got 3"),
 ])
 def test_bad_records_name_their_line(tmp_path, capsys, record, message):
     path = lines(tmp_path / "b.jsonl", SHAREGPT[0], record)

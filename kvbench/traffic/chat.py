@@ -3,8 +3,9 @@
 A file is JSON Lines (a record a line) or one JSON array of records (ShareGPT's releases),
 read element by element. A record holds its messages under `messages` (`role`, `content`:
 OpenAI chat requests, also inside an OpenAI Batch API line's `body`), `conversations` (`from`,
-`value`: ShareGPT) or `conversation` (`role`, `content`: LMSYS-Chat-1M), or a `prompt` string
-(completions). Content is a string, null, or a list of parts whose `text` parts count (other
+`value`: ShareGPT), `conversation` (`role`, `content`: LMSYS-Chat-1M) or `input` (a string or
+messages, with `instructions` as the system prompt: the OpenAI Responses API), or a `prompt`
+string (completions). Content is a string, null, or a list of parts whose `text` parts count (other
 parts, images or audio, are skipped and counted: their tokens are unknown); an assistant
 message's `tool_calls` count as their JSON text.
 
@@ -13,8 +14,8 @@ message's `tool_calls` count as their JSON text.
   is that message (its tokens are known, so in serve mode the next turn's prompt reuses the
   blocks decoded for it).
 - Otherwise the record is **one request** (a logged API call, history included) whose prompt
-  is all its messages; its output length is `max_completion_tokens` or `max_tokens` when the
-  record sets one, else `requests.output_length`.
+  is all its messages; its output length is `max_completion_tokens`, `max_tokens` or
+  `max_output_tokens` when the record sets one, else `requests.output_length`.
 
 A prompt is its messages, each a role header (`<|role|>` and a newline) then its content, then
 the assistant's header: a fixed template, not the model's chat template (which adds or drops a
@@ -52,12 +53,12 @@ from kvbench.traffic.tracefile import (
     warn,
 )
 
-MESSAGE_KEYS = ("messages", "conversations", "conversation")
+MESSAGE_KEYS = ("messages", "conversations", "conversation", "input")
 ASSISTANT_ROLES = frozenset(("assistant", "gpt", "chatgpt", "bard", "bing", "model"))
 """Speakers whose messages are the model's output (OpenAI, ShareGPT and LMSYS names)."""
 _ROLES = {"human": "user", **{r: "assistant" for r in ASSISTANT_ROLES}}
 """Speaker name -> the role its header shows."""
-_OUTPUT_KEYS = ("max_completion_tokens", "max_tokens")
+_OUTPUT_KEYS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 
 class ChatReader(TraceReader):
@@ -119,19 +120,22 @@ class ChatReader(TraceReader):
         """The requests of one record (module docstring)."""
         body = obj["body"] if isinstance(obj.get("body"), dict) else obj
         key = next((k for k in MESSAGE_KEYS if k in body), None)
-        if key is None:
-            if "prompt" not in body:
-                raise BadField("expected 'messages', 'conversations', 'conversation' or "
-                               "'prompt' (a chat trace)")
-            prompt = body["prompt"]
+        if key is None or type(body[key]) is str:  # a completions prompt, a Responses input
+            key = key or "prompt"
+            if key not in body:
+                raise BadField("expected 'messages', 'conversations', 'conversation', 'input' "
+                               "or 'prompt' (a chat trace)")
+            prompt = body[key]
             if type(prompt) is not str:
-                raise BadField(f"'prompt' must be a string, got {show(prompt)}")
+                raise BadField(f"'{key}' must be a string, got {show(prompt)}")
             tokens = self.tokenizer.encode([prompt])[0]
             return [_request(tokens, self._output_length(body), None)]
         messages = body[key]
         if type(messages) is not list or not messages:
             raise BadField(f"'{key}' must be a non-empty list of messages, got {show(messages)}")
         roles, texts = zip(*(self._message(key, m) for m in messages))
+        if type(body.get("instructions")) is str:  # the Responses API's system prompt
+            roles, texts = ("system", *roles), (body["instructions"], *texts)
         parts = []
         for role, text in zip(roles, texts):
             parts += [f"<|{_ROLES.get(role, role)}|>\n", text]

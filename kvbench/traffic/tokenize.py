@@ -6,9 +6,10 @@ whitespace), letter runs are cut every `APPROX_LETTERS` letters (a BPE vocabular
 long or rare word with several tokens), and every distinct piece is one token id. Equal texts
 always get equal ids, so prefix sharing is exact; the counts are close to a real tokenizer's,
 not equal to them. Measured on about 3 MB each of English prose, Python code and markdown with
-code blocks, the total came to 0.95-1.07x of the totals of cl100k, o200k, Llama 3, DeepSeek-V3
-and Claude 2 (per document, the 10th to 90th percentiles within 0.86-1.17x); cuts every 7 or
-8 letters counted further below (0.89-1.00x, 0.86-0.97x).
+code blocks, the total came to 0.97-1.00x of cl100k's, o200k's and Llama 3's totals (per
+document, the 10th to 90th percentiles within 0.90-1.09x), 0.93-0.95x of DeepSeek-V3's and
+0.89-0.95x of Claude 2's. A cut every 6 letters counts 1.05-1.07x of the first three on prose
+(the bulk of chat traffic), one every 8 letters 0.95-0.97x.
 
 A path names a Hugging Face `tokenizer.json` (or a folder holding one), read with the
 `tokenizers` package: the model's own token ids and counts.
@@ -28,7 +29,7 @@ import numpy as np
 from kvbench.errors import InputError
 
 APPROX = "approx"
-APPROX_LETTERS = 6
+APPROX_LETTERS = 7
 """Letters per token, at most, in `approx` (a longer letter run is several tokens)."""
 # cl100k's pre-tokenizer pattern, with \p{L} and \p{N} spelt for Python's `re`, and letter
 # runs cut by the pattern itself (a piece per match: no Python work per piece but a lookup).

@@ -136,6 +136,16 @@ def test_timestamps_start_records_and_turns_follow(tmp_path):
         read(path)
 
 
+def test_a_record_without_requests_is_skipped(tmp_path):
+    """A lone assistant message has no prompt: its record is skipped, not a session of -1
+    turns that would start the next one a turn interval early (a negative arrival)."""
+    answer = {"messages": [{"role": "assistant", "content": "hi"}]}
+    path = lines(tmp_path / "a.jsonl", answer, SHAREGPT[1], SHAREGPT[1])
+    reader = open_trace(path, "chat", TraceOptions())
+    assert [r.arrival_s for r in reader] == [0.0, 0.0]
+    assert reader.without_prompt == 1
+
+
 def test_approx_tokenizer_pieces():
     tok = ApproxTokenizer()
     (a, b) = tok.encode(["Hello, world! 12345", "Hello"])

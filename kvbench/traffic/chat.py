@@ -100,6 +100,9 @@ class ChatReader(TraceReader):
                 raise fail(name, lineno, str(e)) from None
             if ts is not None:
                 units.check(name, lineno, ts)
+            if not requests:  # a lone assistant message: no prompt before it to prefill
+                self.without_prompt += 1
+                continue
             sessions.append((ts, requests))
         if self.skipped_parts:
             warn(f"{name}: {self.skipped_parts} message parts that are not text (images, "

@@ -16,6 +16,7 @@ from kvbench.traffic import TraceOptions, open_trace, sniff
 from kvbench.traffic.sessions import SessionStart
 from kvbench.traffic.tokenize import APPROX_LETTERS, ApproxTokenizer, open_tokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 SHAREGPT = [
     {"id": "a", "conversations": [
@@ -144,6 +145,20 @@ def test_a_record_without_requests_is_skipped(tmp_path):
     reader = open_trace(path, "chat", TraceOptions())
     assert [r.arrival_s for r in reader] == [0.0, 0.0]
     assert reader.without_prompt == 1
+
+
+def test_an_empty_prompt_is_skipped(tmp_path, capsys):
+    """A prompt of no tokens has nothing to prefill; a run of one would fail, not measure."""
+    path = lines(tmp_path / "e.jsonl", {"prompt": ""}, {"input": ""}, {"prompt": "hi"})
+    reader = open_trace(path, "chat", TraceOptions())
+    assert [r.input_length for r in reader] == [1]
+    assert reader.without_prompt == 2
+    workload = tmp_path / "w.yaml"
+    workload.write_text((ROOT / "workloads" / "formats" / "chat.yaml").read_text()
+                        .replace("samples/chat.jsonl", str(path)))
+    for mode in ("cache", "serve"):
+        code, _, err = run_cli(["run", workload, "-q", "--set", f"run.mode={mode}"], capsys)
+        assert code == 0, err
 
 
 def test_approx_tokenizer_pieces():

@@ -95,12 +95,12 @@ class ChatReader(TraceReader):
                 elif "timestamp" in obj:
                     raise BadField("'timestamp' on a record of a trace whose first record has "
                                    "none: time every record, or none")
-                requests = self._record(obj)
+                requests = [r for r in self._record(obj) if r.input_length]
             except BadField as e:
                 raise fail(name, lineno, str(e)) from None
             if ts is not None:
                 units.check(name, lineno, ts)
-            if not requests:  # a lone assistant message: no prompt before it to prefill
+            if not requests:  # an empty prompt, a lone assistant message: nothing to prefill
                 self.without_prompt += 1
                 continue
             sessions.append((ts, requests))

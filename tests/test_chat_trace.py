@@ -262,3 +262,17 @@ def test_a_tokenizer_file_gives_the_models_ids(tmp_path, capsys):
                               "--json", "-"], capsys)
     assert code == 0, err
     assert json.loads(out)["tokenizer"] == str(folder / "tokenizer.json")
+
+
+def test_a_lone_surrogate_reaches_a_tokenizer_file_as_a_replacement_character(tmp_path):
+    """JSON may escape half a surrogate pair (an emoji cut in two); Rust text cannot hold one."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"prompt": "a \\ud83d a"}\n{"prompt": "a \\ufffd a"}\n')
+    cut, replaced = read(path, tokenizer=str(tmp_path))
+    assert cut.tokens.tolist() == replaced.tokens.tolist() == [1, 0, 1]

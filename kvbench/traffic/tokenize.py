@@ -36,6 +36,8 @@ _PIECES = re.compile(
     r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\w]?[^\W\d_]{1,%d}|\d{1,3}| ?[^\s\w]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+" % APPROX_LETTERS)
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 
 class _Vocabulary(dict):
     """Piece -> id, a new piece taking the next id (only a miss runs Python code)."""
@@ -87,8 +89,12 @@ class FileTokenizer:
         self.name = str(file)
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.array(e.ids, np.int64)
-                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        try:
+            found = self._tok.encode_batch(texts, add_special_tokens=False)
+        except TypeError:  # a lone surrogate (JSON's "\ud83d" of a cut emoji) is not UTF-8
+            found = self._tok.encode_batch([_SURROGATE.sub("\ufffd", t) for t in texts],
+                                           add_special_tokens=False)
+        return [np.array(e.ids, np.int64) for e in found]
 
 
 def open_tokenizer(spec: str, base_dir: Path = Path(".")):

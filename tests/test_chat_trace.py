@@ -276,3 +276,17 @@ def test_a_lone_surrogate_reaches_a_tokenizer_file_as_a_replacement_character(tm
     path.write_text('{"prompt": "a \\ud83d a"}\n{"prompt": "a \\ufffd a"}\n')
     cut, replaced = read(path, tokenizer=str(tmp_path))
     assert cut.tokens.tolist() == replaced.tokens.tolist() == [1, 0, 1]
+
+
+def test_a_tokenizer_that_cannot_encode_names_the_record(tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel({"a": 0}))  # no unk token: "b" cannot encode
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    path = lines(tmp_path / "c.jsonl", {"prompt": "a"}, {"prompt": "b"})
+    code, _, err = run_cli(["trace", "stats", path, "--tokenizer", tmp_path], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"kvbench: error: {path}:2: {tmp_path / 'tokenizer.json'} cannot "
+                          "encode this record (WordLevel error: Missing [UNK] token"), err

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.errors import InputError
+from kvbench.traffic.tracefile import BadField
 
 APPROX = "approx"
 APPROX_LETTERS = 6
@@ -84,17 +85,22 @@ class FileTokenizer:
         try:
             self._tok = Tokenizer.from_file(str(file))
         except Exception as e:  # the Rust side raises its own exception types
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise InputError(f"{file}: not a Hugging Face tokenizer.json ({first})") from None
+            raise InputError(f"{file}: not a Hugging Face tokenizer.json "
+                             f"({_first_line(e)})") from None
         self.name = str(file)
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         try:
             found = self._tok.encode_batch(texts, add_special_tokens=False)
         except TypeError:  # a lone surrogate (JSON's "\ud83d" of a cut emoji) is not UTF-8
-            found = self._tok.encode_batch([_SURROGATE.sub("\ufffd", t) for t in texts],
-                                           add_special_tokens=False)
+            return self.encode([_SURROGATE.sub("\ufffd", t) for t in texts])
+        except Exception as e:  # the Rust side's own: a WordLevel vocabulary without its unk
+            raise BadField(f"{self.name} cannot encode this record ({_first_line(e)})") from None
         return [np.array(e.ids, np.int64) for e in found]
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def open_tokenizer(spec: str, base_dir: Path = Path(".")):

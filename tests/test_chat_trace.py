@@ -188,6 +188,7 @@ def test_approx_tokenizer_pieces():
     ({"text": "x"}, "expected 'messages', 'conversations', 'conversation', 'input' or "
                     "'prompt'"),
     ({"input": 3}, "'input' must be a non-empty list of messages, got 3"),
+    ({"messages": "hi"}, "'messages' must be a non-empty list of messages, got \"hi\""),
 ])
 def test_bad_records_name_their_line(tmp_path, capsys, record, message):
     path = lines(tmp_path / "b.jsonl", SHAREGPT[0], record)

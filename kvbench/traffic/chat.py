@@ -123,7 +123,8 @@ class ChatReader(TraceReader):
         """The requests of one record (module docstring)."""
         body = obj["body"] if isinstance(obj.get("body"), dict) else obj
         key = next((k for k in MESSAGE_KEYS if k in body), None)
-        if key is None or type(body[key]) is str:  # a completions prompt, a Responses input
+        # A completions prompt, a Responses API input string (messages are always a list).
+        if key is None or key == "input" and type(body[key]) is str:
             key = key or "prompt"
             if key not in body:
                 raise BadField("expected 'messages', 'conversations', 'conversation', 'input' "

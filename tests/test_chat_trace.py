@@ -212,6 +212,12 @@ def test_bad_arrays_name_their_line(tmp_path, capsys, text, line, message):
     assert err.strip().startswith(f"kvbench: error: {path}:{line}: {message}"), err
 
 
+def test_an_array_after_many_blank_lines(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text("\n" * 5000 + json.dumps(SHAREGPT, indent=1))
+    assert len(read(path)) == 3
+
+
 def test_an_array_of_other_records_is_refused(tmp_path, capsys):
     path = tmp_path / "m.json"
     path.write_text(json.dumps([{"timestamp": 0, "input_length": 3, "output_length": 1,

@@ -71,8 +71,10 @@ class ChatReader(TraceReader):
         self.tokenizer = open_tokenizer(opts.tokenizer)
         self.skipped_parts = 0
         """Content parts that are not text (images, audio): not counted."""
+        head = b""
         with open_binary(self.path) as f:
-            head = f.read(1 << 12).lstrip(b"\xef\xbb\xbf \t\r\n")
+            while not head and (chunk := f.read(1 << 12)):  # blank lines may fill a read
+                head = chunk.lstrip(b"\xef\xbb\xbf \t\r\n")
         self._array = head.startswith(b"[")
         self._records = None if self._array else jsonl_records(self.path)
 

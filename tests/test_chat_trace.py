@@ -161,6 +161,15 @@ def test_an_empty_prompt_is_skipped(tmp_path, capsys):
         assert code == 0, err
 
 
+def test_convert_to_mooncake_names_the_option_it_needs(tmp_path, capsys):
+    path = lines(tmp_path / "c.jsonl", *SHAREGPT)
+    out = tmp_path / "m.jsonl"
+    code, _, err = run_cli(["trace", "convert", path, out], capsys)
+    assert code == 2 and "--out-block-tokens: required to convert a chat trace" in err, err
+    code, _, err = run_cli(["trace", "convert", path, out, "--out-block-tokens", "16"], capsys)
+    assert code == 0 and len(out.read_text().splitlines()) == 3, err
+
+
 def test_approx_tokenizer_pieces():
     tok = ApproxTokenizer()
     (a, b) = tok.encode(["Hello, world! 12345", "Hello"])

@@ -16,6 +16,7 @@ from kvbench.traffic import TraceOptions, open_trace, sniff
 from kvbench.traffic.sessions import SessionStart
 from kvbench.traffic.tokenize import APPROX_LETTERS, ApproxTokenizer, open_tokenizer
 
+ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 SHAREGPT = [
     {"id": "a", "conversations": [
@@ -136,6 +137,39 @@ def test_timestamps_start_records_and_turns_follow(tmp_path):
         read(path)
 
 
+def test_a_record_without_requests_is_skipped(tmp_path):
+    """A lone assistant message has no prompt: its record is skipped, not a session of -1
+    turns that would start the next one a turn interval early (a negative arrival)."""
+    answer = {"messages": [{"role": "assistant", "content": "hi"}]}
+    path = lines(tmp_path / "a.jsonl", answer, SHAREGPT[1], SHAREGPT[1])
+    reader = open_trace(path, "chat", TraceOptions())
+    assert [r.arrival_s for r in reader] == [0.0, 0.0]
+    assert reader.without_prompt == 1
+
+
+def test_an_empty_prompt_is_skipped(tmp_path, capsys):
+    """A prompt of no tokens has nothing to prefill; a run of one would fail, not measure."""
+    path = lines(tmp_path / "e.jsonl", {"prompt": ""}, {"input": ""}, {"prompt": "hi"})
+    reader = open_trace(path, "chat", TraceOptions())
+    assert [r.input_length for r in reader] == [1]
+    assert reader.without_prompt == 2
+    workload = tmp_path / "w.yaml"
+    workload.write_text((ROOT / "workloads" / "formats" / "chat.yaml").read_text()
+                        .replace("samples/chat.jsonl", str(path)))
+    for mode in ("cache", "serve"):
+        code, _, err = run_cli(["run", workload, "-q", "--set", f"run.mode={mode}"], capsys)
+        assert code == 0, err
+
+
+def test_convert_to_mooncake_names_the_option_it_needs(tmp_path, capsys):
+    path = lines(tmp_path / "c.jsonl", *SHAREGPT)
+    out = tmp_path / "m.jsonl"
+    code, _, err = run_cli(["trace", "convert", path, out], capsys)
+    assert code == 2 and "--out-block-tokens: required to convert a chat trace" in err, err
+    code, _, err = run_cli(["trace", "convert", path, out, "--out-block-tokens", "16"], capsys)
+    assert code == 0 and len(out.read_text().splitlines()) == 3, err
+
+
 def test_approx_tokenizer_pieces():
     tok = ApproxTokenizer()
     (a, b) = tok.encode(["Hello, world! 12345", "Hello"])
@@ -163,6 +197,7 @@ def test_approx_tokenizer_pieces():
     ({"text": "x"}, "expected 'messages', 'conversations', 'conversation', 'input' or "
                     "'prompt'"),
     ({"input": 3}, "'input' must be a non-empty list of messages, got 3"),
+    ({"messages": "hi"}, "'messages' must be a non-empty list of messages, got \"hi\""),
 ])
 def test_bad_records_name_their_line(tmp_path, capsys, record, message):
     path = lines(tmp_path / "b.jsonl", SHAREGPT[0], record)
@@ -184,6 +219,12 @@ def test_bad_arrays_name_their_line(tmp_path, capsys, text, line, message):
     code, _, err = run_cli(["trace", "stats", path], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert err.strip().startswith(f"kvbench: error: {path}:{line}: {message}"), err
+
+
+def test_an_array_after_many_blank_lines(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text("\n" * 5000 + json.dumps(SHAREGPT, indent=1))
+    assert len(read(path)) == 3
 
 
 def test_an_array_of_other_records_is_refused(tmp_path, capsys):
@@ -237,3 +278,31 @@ def test_a_tokenizer_file_gives_the_models_ids(tmp_path, capsys):
                               "--json", "-"], capsys)
     assert code == 0, err
     assert json.loads(out)["tokenizer"] == str(folder / "tokenizer.json")
+
+
+def test_a_lone_surrogate_reaches_a_tokenizer_file_as_a_replacement_character(tmp_path):
+    """JSON may escape half a surrogate pair (an emoji cut in two); Rust text cannot hold one."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"prompt": "a \\ud83d a"}\n{"prompt": "a \\ufffd a"}\n')
+    cut, replaced = read(path, tokenizer=str(tmp_path))
+    assert cut.tokens.tolist() == replaced.tokens.tolist() == [1, 0, 1]
+
+
+def test_a_tokenizer_that_cannot_encode_names_the_record(tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel({"a": 0}))  # no unk token: "b" cannot encode
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    path = lines(tmp_path / "c.jsonl", {"prompt": "a"}, {"prompt": "b"})
+    code, _, err = run_cli(["trace", "stats", path, "--tokenizer", tmp_path], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"kvbench: error: {path}:2: {tmp_path / 'tokenizer.json'} cannot "
+                          "encode this record (WordLevel error: Missing [UNK] token"), err

@@ -71,8 +71,10 @@ class ChatReader(TraceReader):
         self.tokenizer = open_tokenizer(opts.tokenizer)
         self.skipped_parts = 0
         """Content parts that are not text (images, audio): not counted."""
+        head = b""
         with open_binary(self.path) as f:
-            head = f.read(1 << 12).lstrip(b"\xef\xbb\xbf \t\r\n")
+            while not head and (chunk := f.read(1 << 12)):  # blank lines may fill a read
+                head = chunk.lstrip(b"\xef\xbb\xbf \t\r\n")
         self._array = head.startswith(b"[")
         self._records = None if self._array else jsonl_records(self.path)
 
@@ -95,11 +97,14 @@ class ChatReader(TraceReader):
                 elif "timestamp" in obj:
                     raise BadField("'timestamp' on a record of a trace whose first record has "
                                    "none: time every record, or none")
-                requests = self._record(obj)
+                requests = [r for r in self._record(obj) if r.input_length]
             except BadField as e:
                 raise fail(name, lineno, str(e)) from None
             if ts is not None:
                 units.check(name, lineno, ts)
+            if not requests:  # an empty prompt, a lone assistant message: nothing to prefill
+                self.without_prompt += 1
+                continue
             sessions.append((ts, requests))
         if self.skipped_parts:
             warn(f"{name}: {self.skipped_parts} message parts that are not text (images, "
@@ -120,7 +125,8 @@ class ChatReader(TraceReader):
         """The requests of one record (module docstring)."""
         body = obj["body"] if isinstance(obj.get("body"), dict) else obj
         key = next((k for k in MESSAGE_KEYS if k in body), None)
-        if key is None or type(body[key]) is str:  # a completions prompt, a Responses input
+        # A completions prompt, a Responses API input string (messages are always a list).
+        if key is None or key == "input" and type(body[key]) is str:
             key = key or "prompt"
             if key not in body:
                 raise BadField("expected 'messages', 'conversations', 'conversation', 'input' "

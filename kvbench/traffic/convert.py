@@ -33,13 +33,14 @@ def convert(reader: TraceReader, out: OutputFile, to: str = "mooncake",
 def _to_mooncake(reader: TraceReader, out: OutputFile, block_tokens: int | None):
     if reader.block_tokens == 1:  # explicit tokens: hash their blocks
         if block_tokens is None:
-            raise InputError("--block-tokens: required to convert a token-id trace to Mooncake "
-                             "hash ids")
+            raise InputError(f"--out-block-tokens: required to convert a {reader.format} trace "
+                             "(tokens) to Mooncake hash ids")
         table = ChainedIds()
         lines = (_mooncake_line(r, _token_block_ids(r, block_tokens, table)) for r in reader)
         return out.write_lines(lines), block_tokens
     if block_tokens is not None:
-        raise InputError(f"--block-tokens: a {reader.format} trace keeps its own block size")
+        raise InputError(f"--out-block-tokens: a {reader.format} trace keeps its own block "
+                         "size")
     sizes: set[int] = set()
 
     def lines() -> Iterator[str]:

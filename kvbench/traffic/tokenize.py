@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbench.errors import InputError
+from kvbench.traffic.tracefile import BadField
 
 APPROX = "approx"
 APPROX_LETTERS = 7
@@ -36,6 +37,8 @@ APPROX_LETTERS = 7
 _PIECES = re.compile(
     r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\w]?[^\W\d_]{1,%d}|\d{1,3}| ?[^\s\w]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+" % APPROX_LETTERS)
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Vocabulary(dict):
@@ -83,13 +86,22 @@ class FileTokenizer:
         try:
             self._tok = Tokenizer.from_file(str(file))
         except Exception as e:  # the Rust side raises its own exception types
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise InputError(f"{file}: not a Hugging Face tokenizer.json ({first})") from None
+            raise InputError(f"{file}: not a Hugging Face tokenizer.json "
+                             f"({_first_line(e)})") from None
         self.name = str(file)
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.array(e.ids, np.int64)
-                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        try:
+            found = self._tok.encode_batch(texts, add_special_tokens=False)
+        except TypeError:  # a lone surrogate (JSON's "\ud83d" of a cut emoji) is not UTF-8
+            return self.encode([_SURROGATE.sub("\ufffd", t) for t in texts])
+        except Exception as e:  # the Rust side's own: a WordLevel vocabulary without its unk
+            raise BadField(f"{self.name} cannot encode this record ({_first_line(e)})") from None
+        return [np.array(e.ids, np.int64) for e in found]
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def open_tokenizer(spec: str, base_dir: Path = Path(".")):

@@ -102,7 +102,8 @@ def test_openai_requests_batch_lines_and_prompts(tmp_path):
     assert [r.output_length for r in reqs] == [100, 50, 7, 7, 3, 7]
     # Responses API: `instructions` is the system message, `input` the messages or a prompt.
     assert reqs[4].tokens.tolist() == reqs[0].tokens.tolist()
-    assert reqs[5].tokens.tolist() == reqs[3].tokens.tolist()
+    hello = template([{"role": "user", "content": "Once upon a time"}]) + ["<|assistant|>\n"]
+    assert reqs[5].input_length == len(tokens_of(hello))
     assert all(r.output_tokens is None for r in reqs)  # the answer is not in the log
     # A logged call with its history shares the earlier call's prompt, bar its last header.
     a, b = reqs[0].tokens, reqs[1].tokens
@@ -149,7 +150,8 @@ def test_a_record_without_requests_is_skipped(tmp_path):
 
 def test_an_empty_prompt_is_skipped(tmp_path, capsys):
     """A prompt of no tokens has nothing to prefill; a run of one would fail, not measure."""
-    path = lines(tmp_path / "e.jsonl", {"prompt": ""}, {"input": ""}, {"prompt": "hi"})
+    path = lines(tmp_path / "e.jsonl", {"prompt": ""}, {"prompt": "", "max_tokens": 3},
+                 {"prompt": "hi"})
     reader = open_trace(path, "chat", TraceOptions())
     assert [r.input_length for r in reader] == [1]
     assert reader.without_prompt == 2
@@ -197,6 +199,7 @@ def test_approx_tokenizer_pieces():
     ({"text": "x"}, "expected 'messages', 'conversations', 'conversation', 'input' or "
                     "'prompt'"),
     ({"input": 3}, "'input' must be a non-empty list of messages, got 3"),
+    ({"input": "x", "instructions": ["y"]}, "'instructions' must be a string, got [\"y\"]"),
     ({"messages": "hi"}, "'messages' must be a non-empty list of messages, got \"hi\""),
 ])
 def test_bad_records_name_their_line(tmp_path, capsys, record, message):

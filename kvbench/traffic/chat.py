@@ -3,9 +3,9 @@
 A file is JSON Lines (a record a line) or one JSON array of records (ShareGPT's releases),
 read element by element. A record holds its messages under `messages` (`role`, `content`:
 OpenAI chat requests, also inside an OpenAI Batch API line's `body`), `conversations` (`from`,
-`value`: ShareGPT), `conversation` (`role`, `content`: LMSYS-Chat-1M) or `input` (a string or
-messages, with `instructions` as the system prompt: the OpenAI Responses API), or a `prompt`
-string (completions). Content is a string, null, or a list of parts whose `text` parts count (other
+`value`: ShareGPT), `conversation` (`role`, `content`: LMSYS-Chat-1M) or `input` (messages, or
+a string: one user message; `instructions` is the system prompt: the OpenAI Responses API), or
+a `prompt` string (completions: its text as it is, no template). Content is a string, null, or a list of parts whose `text` parts count (other
 parts, images or audio, are skipped and counted: their tokens are unknown); an assistant
 message's `tool_calls` count as their JSON text.
 
@@ -47,6 +47,7 @@ from kvbench.traffic.tracefile import (
     fail,
     json_type,
     jsonl_records,
+    need,
     open_binary,
     _LONG_INTEGER,
     show,
@@ -93,7 +94,7 @@ class ChatReader(TraceReader):
                     timed = "timestamp" in obj
                 ts = None
                 if timed:
-                    ts = check_number("timestamp", obj.get("timestamp"), "ms")
+                    ts = check_number("timestamp", need(obj, "timestamp"), "ms")
                 elif "timestamp" in obj:
                     raise BadField("'timestamp' on a record of a trace whose first record has "
                                    "none: time every record, or none")
@@ -125,23 +126,26 @@ class ChatReader(TraceReader):
         """The requests of one record (module docstring)."""
         body = obj["body"] if isinstance(obj.get("body"), dict) else obj
         key = next((k for k in MESSAGE_KEYS if k in body), None)
-        # A completions prompt, a Responses API input string (messages are always a list).
-        if key is None or key == "input" and type(body[key]) is str:
-            key = key or "prompt"
-            if key not in body:
+        if key is None:  # a completions prompt: text as it is, no template
+            if "prompt" not in body:
                 raise BadField("expected 'messages', 'conversations', 'conversation', 'input' "
                                "or 'prompt' (a chat trace)")
-            prompt = body[key]
+            prompt = body["prompt"]
             if type(prompt) is not str:
-                raise BadField(f"'{key}' must be a string, got {show(prompt)}")
+                raise BadField(f"'prompt' must be a string, got {show(prompt)}")
             tokens = self.tokenizer.encode([prompt])[0]
             return [_request(tokens, self._output_length(body), None)]
         messages = body[key]
+        if key == "input" and type(messages) is str:  # the Responses API: one user message
+            messages = [{"role": "user", "content": messages}]
         if type(messages) is not list or not messages:
             raise BadField(f"'{key}' must be a non-empty list of messages, got {show(messages)}")
         roles, texts = zip(*(self._message(key, m) for m in messages))
-        if type(body.get("instructions")) is str:  # the Responses API's system prompt
-            roles, texts = ("system", *roles), (body["instructions"], *texts)
+        instructions = body.get("instructions")  # the Responses API's system prompt
+        if instructions is not None:
+            if type(instructions) is not str:
+                raise BadField(f"'instructions' must be a string, got {show(instructions)}")
+            roles, texts = ("system", *roles), (instructions, *texts)
         parts = []
         for role, text in zip(roles, texts):
             parts += [f"<|{_ROLES.get(role, role)}|>\n", text]

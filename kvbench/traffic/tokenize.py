@@ -92,9 +92,11 @@ class FileTokenizer:
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         try:
-            found = self._tok.encode_batch(texts, add_special_tokens=False)
-        except TypeError:  # a lone surrogate (JSON's "\ud83d" of a cut emoji) is not UTF-8
-            return self.encode([_SURROGATE.sub("\ufffd", t) for t in texts])
+            try:
+                found = self._tok.encode_batch(texts, add_special_tokens=False)
+            except TypeError:  # a lone surrogate (JSON's "\ud83d" of a cut emoji) is not UTF-8
+                found = self._tok.encode_batch([_SURROGATE.sub("\ufffd", t) for t in texts],
+                                               add_special_tokens=False)
         except Exception as e:  # the Rust side's own: a WordLevel vocabulary without its unk
             raise BadField(f"{self.name} cannot encode this record ({_first_line(e)})") from None
         return [np.array(e.ids, np.int64) for e in found]

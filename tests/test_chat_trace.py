@@ -258,7 +258,8 @@ def test_tokenizer_only_for_chat_and_bad_files(tmp_path, capsys):
 # --- a model's tokenizer -------------------------------------------------------------------------
 
 
-def test_a_tokenizer_file_gives_the_models_ids(tmp_path, capsys):
+def word_tokenizer(folder: Path):
+    """A small word-level tokenizer.json for the SHAREGPT texts, saved in `folder`."""
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers, trainers
 
@@ -267,9 +268,14 @@ def test_a_tokenizer_file_gives_the_models_ids(tmp_path, capsys):
     corpus = [m["value"] for c in SHAREGPT for m in c["conversations"]]
     tok.train_from_iterator(corpus + ["<|user|> <|assistant|> <|system|>"],
                             trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    folder = tmp_path / "model"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+def test_a_tokenizer_file_gives_the_models_ids(tmp_path, capsys):
+    folder = tmp_path / "model"
+    tok = word_tokenizer(folder)
     path = lines(tmp_path / "c.jsonl", *SHAREGPT)
     reqs = read(path, tokenizer=str(folder))
     msgs = SHAREGPT[0]["conversations"]
@@ -309,3 +315,29 @@ def test_a_tokenizer_that_cannot_encode_names_the_record(tmp_path, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"kvbench: error: {path}:2: {tmp_path / 'tokenizer.json'} cannot "
                           "encode this record (WordLevel error: Missing [UNK] token"), err
+
+
+def test_exported_best_reads_the_same_tokenizer_and_profile(tmp_path, capsys):
+    """A workload's tokenizer and hardware profile are relative to its own folder: the best
+    trial exported elsewhere must still find them (and the trace)."""
+    word_tokenizer(tmp_path / "w" / "model")
+    lines(tmp_path / "w" / "c.jsonl", *SHAREGPT, *SHAREGPT)
+    (tmp_path / "w" / "h200.yaml").write_text(
+        (ROOT / "profiles" / "nvidia-h200-mooncake-conversation-serve.yaml").read_text())
+    workload = tmp_path / "w" / "t.yaml"
+    workload.write_text(
+        (ROOT / "workloads" / "formats" / "chat.yaml").read_text()
+        .replace("samples/chat.jsonl", "c.jsonl").replace("tokenizer: approx",
+                                                          "tokenizer: model")
+        + "hardware: {profile: h200.yaml}\n"
+        + "tune: {space: {cache.tokens_per_block: {choices: [4, 8]}}, n_trials: 2, seed: 1,"
+          " objectives: [{metric: hit_rate, direction: maximize}]}\n")
+    best = tmp_path / "elsewhere" / "best.yaml"
+    best.parent.mkdir()
+    code, _, err = run_cli(["tune", workload, "--quiet", "--storage",
+                            f"sqlite:///{tmp_path}/s.db", "--export-best", best], capsys)
+    assert code == 0, err
+    text = best.read_text()
+    assert "tokenizer: ../w/model" in text and "profile: ../w/h200.yaml" in text, text
+    code, _, err = run_cli(["run", best, "--quiet"], capsys)
+    assert code == 0, err

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import resolve_path
+from ..traffic.tokenize import APPROX
 from ..outfile import output_file, write_files
 from .plan import FAILED, INVALID, Plan, _constraints_func, is_feasible, trial_workload
 from .storage import display_url
@@ -148,8 +149,8 @@ def summary_data(plan: Plan, summary: Summary, holdout: list | None, *,
 
 def export_best(plan: Plan, trial: FrozenTrial, path: str | Path) -> Path:
     """Write the trial's workload as a ready-to-run YAML: the keys the workload file and --set
-    gave, with the trial's values; trace paths rebased on the new file's folder; no tune:
-    section."""
+    gave, with the trial's values; the paths it reads rebased on the new file's folder; no
+    tune: section."""
     import yaml
 
     path = Path(path)
@@ -157,14 +158,19 @@ def export_best(plan: Plan, trial: FrozenTrial, path: str | Path) -> Path:
     # What the file and --set wrote, with the trial's values: the user's workload, tuned.
     data = wl.model_dump(mode="json", exclude={"variants", "tune"}, exclude_unset=True)
     data = {"name": wl.name, **{k: v for k, v in data.items() if k != "name"}}
-    if wl.requests.path is not None:
-        source = resolve_path(wl, wl.requests.path).resolve()
-        target_dir = path.parent.resolve()
-        try:
-            rebased = os.path.relpath(source, target_dir)
-        except ValueError:
-            rebased = str(source)
-        data.setdefault("requests", {})["path"] = rebased
+    # Paths the workload reads, relative to its own folder: the trace, the tokenizer of a chat
+    # trace and a hardware profile.
+    for section, key, value in (("requests", "path", wl.requests.path),
+                                ("requests", "tokenizer", None if wl.requests.tokenizer == APPROX
+                                 else wl.requests.tokenizer),
+                                ("hardware", "profile", wl.hardware.profile)):
+        if value is not None:
+            source = resolve_path(wl, value).resolve()
+            try:
+                rebased = os.path.relpath(source, path.parent.resolve())
+            except ValueError:
+                rebased = str(source)
+            data.setdefault(section, {})[key] = rebased
     objectives = ", ".join(f"{m}={v:.6g}" for m, v in zip(plan.metric_names, trial.values))
     tuned = ", ".join(f"{k}={json.dumps(v)}" for k, v in plan.decoded_params(trial).items())
     header = (f"# Best trial #{trial.number} of study {plan.study_name!r} "

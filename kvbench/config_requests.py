@@ -218,3 +218,11 @@ class RequestsConfig(Section):
         if source == "synthetic" and value is not None:
             raise ValueError(f"only used when requests.source is 'trace' (got {show_value(value)})")
         return value
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_for_traces(cls, value: str, info: ValidationInfo) -> str:
+        if value != "approx" and info.data.get("source") == "synthetic":
+            raise ValueError("only used by chat traces (requests.source: trace), not by the "
+                             "synthetic generator")
+        return value

@@ -244,6 +244,11 @@ def test_tokenizer_only_for_chat_and_bad_files(tmp_path, capsys):
                                         "hash_ids": [1]})
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{}")
+    code, _, err = run_cli(["run", ROOT / "workloads" / "quickstart.yaml", "--set",
+                            f"requests.tokenizer={bad}"], capsys)
+    assert code == 2 and err.strip() == ("kvbench: error: --set requests.tokenizer: only used by "
+                                         "chat traces (requests.source: trace), not by the "
+                                         "synthetic generator")
     for args, message in [
         ([moon, "--tokenizer", bad], "requests.tokenizer: only chat traces are tokenized "
                                      "(this trace is mooncake)"),

@@ -46,6 +46,7 @@ _UNIT = 1024
 """H is kept in 1/1024ths of `freq_weight = 1` (ints compare exactly)."""
 _ORDER_BITS = 64
 _CLASS_BITS = 8
+_H_SHIFT = _ORDER_BITS + _CLASS_BITS
 """A shadow run's heap key is `((H << 8 | class) << 64) | first insertion order`."""
 _PRUNE_SLACK = 1024
 """Pushes `_levels` may hold beyond twice those kept at its last pruning."""
@@ -200,47 +201,59 @@ class _Shadow:
         return len(self.live)
 
     def replay(self, keys: list, classes: list[int], cap: int) -> int:
-        """Insert a release's `keys` (deepest first) of `classes` (non-decreasing: capped at
-        the parent's); how many of them were held."""
+        """Insert a release's `keys` (deepest first; the shadow keeps the list) of `classes`
+        (non-decreasing: capped at the parent's); how many of them were held."""
         live = self.live
         n = len(keys)
         before = len(live)
         order = self.order
         self.order = order + n
         live.update(zip(keys, range(order + 1, order + n + 1)))
-        held = before + n - len(live)
+        size = len(live)
+        held = before + n - size
         heap = self.heap
         h0, w = self.inflation << _CLASS_BITS, self.weight << _CLASS_BITS
-        i = 0
-        while i < n:  # runs of one class
-            c = classes[i]
-            j = n if classes[-1] == c else bisect_right(classes, c, i)
-            first = order + 1 + i
-            heappush(heap, [(h0 + w * c | c) << _ORDER_BITS | first,
-                            range(first, order + 1 + j), keys[i:j], 0])
-            i = j
+        c = classes[0]
+        if c == classes[-1]:  # most releases: one class
+            heappush(heap, [(h0 + w * c | c) << _ORDER_BITS | order + 1,
+                            range(order + 1, order + n + 1), keys, 0])
+        else:
+            i = 0
+            while i < n:  # runs of one class
+                c = classes[i]
+                j = n if classes[-1] == c else bisect_right(classes, c, i)
+                first = order + 1 + i
+                heappush(heap, [(h0 + w * c | c) << _ORDER_BITS | first,
+                                range(first, order + 1 + j), keys[i:j], 0])
+                i = j
         entries = self.entries + n
-        size = len(live)
-        get, pop = live.get, live.pop
-        while size > cap:  # the front run's keys still live there, the excess at a time
-            run = heap[0]
-            key, orders, run_keys, k = run
-            end = min(len(run_keys), k + size - cap)
-            part = run_keys[k:end]
-            # Keys in a run are distinct: popping one changes no later one's `get`.
-            _consume(map(pop, compress(part, map(eq, map(get, part), orders[k:end]))))
-            if len(live) < size:
-                size = len(live)
-                h = key >> (_ORDER_BITS + _CLASS_BITS)
-                if h > self.inflation:
-                    self.inflation = h
-            entries -= end - k
-            if end == len(run_keys):
-                heappop(heap)
-            else:
-                run[3] = end
+        if size > cap:
+            get, pop = live.get, live.pop
+            inflation = self.inflation
+            while True:  # the front run's keys still live there, the excess at a time
+                run = heap[0]
+                key, orders, run_keys, k = run
+                end = k + size - cap
+                if end >= len(run_keys):  # the whole rest of the run
+                    heappop(heap)
+                    if k:
+                        run_keys, orders = run_keys[k:], orders[k:]
+                    end = k + len(run_keys)
+                else:
+                    run[3] = end
+                    run_keys, orders = run_keys[k:end], orders[k:end]
+                # Keys in a run are distinct: popping one changes no later one's `get`.
+                _consume(map(pop, compress(run_keys, map(eq, map(get, run_keys), orders))))
+                entries -= end - k
+                if len(live) < size:
+                    size = len(live)
+                    if key >> _H_SHIFT > inflation:
+                        inflation = key >> _H_SHIFT
+                    if size <= cap:
+                        break
+            self.inflation = inflation
         self.entries = entries
-        if entries > 4 * len(live) + 256:
+        if entries > 4 * size + 256:
             self._compact()
         return held
 

@@ -68,8 +68,7 @@ class ModelConfig(Section):
     )
     head_dim: int = Field(128, gt=0, description="Dimension of one attention head.")
     dtype: Literal["float16", "bfloat16", "float32", "fp8"] = Field(
-        "bfloat16", description="KV cache element type."
-    )
+        "bfloat16", description="KV cache element type.")
     attention_window: Union[PositiveInt, list[Union[PositiveInt, None]], None] = Field(
         None,
         description="Sliding window in tokens: int, or list of int/null repeated over layers"
@@ -182,6 +181,8 @@ class GDSFConfig(Section):
     max_freq: int = Field(16, ge=1, le=255, description="Uses beyond this count no more.")
     history_ratio: float = Field(
         8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
+    shadow_sampling: int = Field(8, ge=0, description="One key in this many feeds the LRU and"
+                                 " GDSF shadow caches that choose the order (0: always GDSF).")
 
 
 class PredictiveConfig(Section):

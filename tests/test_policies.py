@@ -16,6 +16,7 @@ from kvbench.cache.policies import (POLICIES, POLICY_NAMES, GDSFParams, LRU2Para
                                     PredictiveParams, S3FIFOParams, SLRUParams)
 from kvbench.cache.policies import base as policy_base
 from kvbench.cache.ids import Retention, TokenRangeRetention
+from kvbench.cache.policies import gdsf as gdsf_policy
 from kvbench.cache.policies.predictive import _Shadow
 from kvbench.cache.policies.segments import GhostKeys, spread_key
 from kvbench.traffic.request import Request
@@ -84,9 +85,18 @@ class RefScored(_Ref):
             self.bkey = None
         else:
             self.w = int(params.freq_weight * 1024)
+            self.sampling, self.scap = _shadow_size(capacity, params.shadow_sampling)
+            self.s_lru: list = []  # LRU shadow, least recent first
+            self.s_gdsf: dict = {}  # key -> (H, class, insertion order)
+            self.s_L = self.s_order = 0
+            self.hits = [0, 0]
+            self.halve_at = self.hcap
+            self.boosting = True  # GDSF order (False: LRU)
+            self.bkey = None
 
     def release(self, blocks, level):
         stamp = self.clock if self.name == "predictive" else self.L
+        self.pushes = getattr(self, "pushes", 0) + 1
         classes = []
         for b in reversed(blocks):
             self.clock += 1
@@ -110,8 +120,34 @@ class RefScored(_Ref):
             if self.sampling:
                 self._shadows(blocks, list(reversed(classes)), stamp, full)
             self.shift = [int(f) if self.boosting else 0 for f in full]
+        elif self.sampling:
+            self._gdsf_shadows(blocks, list(reversed(classes)))
         for b, c in zip(blocks, reversed(classes)):
-            self._push(b, level, cls=c, stamp=stamp)
+            self._push(b, level, cls=c, stamp=stamp, release=self.pushes)
+
+    def _gdsf_shadows(self, blocks, classes):
+        """GDSF's duel: an LRU list and a GDSF dict of the sampled keys (deepest first); the
+        GDSF one evicts the lowest (H = its own L + w x class, class, insertion order) while
+        over capacity, L the H of its last victim; GDSF order while it held at least as many."""
+        sampled = [(self.key(b), c) for b, c in zip(blocks, classes)
+                   if self.bkey(self.key(b)) % 65521 % self.sampling == 0]
+        self.hits[0] += sum(k in self.s_lru for k, _ in sampled)
+        self.hits[1] += sum(k in self.s_gdsf for k, _ in sampled)
+        shadow = self.s_gdsf
+        for k, c in sampled:
+            if k in self.s_lru:
+                self.s_lru.remove(k)
+            self.s_lru.append(k)
+            self.s_order += 1
+            shadow[k] = (self.s_L + self.w * c, c, self.s_order)
+        del self.s_lru[:max(0, len(self.s_lru) - self.scap)]
+        while len(shadow) > self.scap:
+            k = min(shadow, key=shadow.__getitem__)
+            self.s_L = max(self.s_L, shadow.pop(k)[0])
+        while self.clock >= self.halve_at:
+            self.hits = [h // 2 for h in self.hits]
+            self.halve_at += self.hcap
+        self.boosting = self.hits[1] >= self.hits[0]
 
     def _shadows(self, blocks, classes, stamp, full):
         """The LRU and the boosted shadow: sampled keys inserted deepest first, then the
@@ -139,8 +175,10 @@ class RefScored(_Ref):
         return s["stamp"] + self.w * s["cls"]
 
     def victim(self):
-        b = min(self.free, key=lambda b: (self.free[b]["level"], self.score(self.free[b]),
-                                          self.free[b]["cls"], self.free[b]["pushed"]))
+        def order(s):  # gdsf in LRU order: release order, the deeper (pushed first) first
+            lru = not self.boosting and self.name == "gdsf"
+            return (s["level"], s["release"] if lru else self.score(s), s["cls"], s["pushed"])
+        b = min(self.free, key=lambda b: order(self.free[b]))
         if self.name == "gdsf":
             self.L = max(self.L, self.score(self.free[b]))
         del self.free[b]
@@ -428,7 +466,8 @@ _PARAMS = {
                             history_ratio=st.sampled_from([0.5, 1.0, 8.0]),
                             shadow_sampling=st.sampled_from([0, 1, 2, 8])),
     "gdsf": st.builds(GDSFParams, freq_weight=st.sampled_from([0.5, 1.0, 3.0]),
-                      max_freq=st.integers(1, 5), history_ratio=st.sampled_from([0.5, 8.0])),
+                      max_freq=st.integers(1, 5), history_ratio=st.sampled_from([0.5, 8.0]),
+                      shadow_sampling=st.sampled_from([0, 1, 2, 8])),
     "slru": st.builds(SLRUParams, protected_ratio=st.sampled_from([0.2, 0.5, 0.8]),
                       history_ratio=st.sampled_from([0.5, 8.0])),
     "s3fifo": st.builds(S3FIFOParams, small_ratio=st.sampled_from([0.1, 0.3, 0.6]),
@@ -1029,3 +1068,97 @@ def test_predictive_shadows_fall_back_to_lru_when_it_holds_more():
             lambda policy: not policy.boosting)
         assert (lru_requests > 0) == (sampling > 0)
     assert hits[1] > hits[0]
+
+
+def test_gdsf_shadows_fall_back_to_lru_when_it_holds_more():
+    """Short sessions, four at a time: GDSF keeps the prefixes of finished sessions (used
+    more) over the new turns' blocks (74 hits against LRU's 120). The LRU shadow sees more
+    hits, so the pool evicts in LRU order: victims as the reference's, and more hits than
+    GDSF alone."""
+    prompts = _sessions(6, 4, 3)
+    hits = {}
+    for sampling in (0, 1):
+        hits[sampling], lru_requests = _against_reference(
+            "gdsf", GDSFParams(shadow_sampling=sampling), prompts,
+            lambda policy: not policy.gdsf_order)
+        assert (lru_requests > 0) == (sampling > 0)
+    assert hits[1] > hits[0]
+
+
+@pytest.mark.parametrize("sampling", [1, 2])
+def test_gdsf_duel_matches_the_reference_through_switches(sampling, monkeypatch):
+    """Sessions, hot prompts among scans, then sessions again: the order switches back and
+    forth, and every victim is the reference's (its shadows are scans over dicts). The L of
+    old pushes is pruned every few pushes here."""
+    monkeypatch.setattr(gdsf_policy, "_PRUNE_SLACK", 1)
+    prompts = _sessions(6, 4, 3) + _hot_and_scans(90) + _sessions(6, 6, 4)
+    orders = []
+    _against_reference("gdsf", GDSFParams(shadow_sampling=sampling), prompts,
+                       lambda policy: orders.append(policy.gdsf_order) or 0)
+    assert sum(a != b for a, b in zip(orders, orders[1:])) >= 3
+
+
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenario=policy_scenarios("gdsf"), partial=st.booleans())
+def test_gdsf_in_lru_order_evicts_as_lru(scenario, partial):
+    """While the LRU shadow leads (forced here), GDSF's pool evicts exactly as the plain LRU
+    free queue: the same victims in the same order and the same hits, at every retention
+    level, with or without partial reuse (claims undone, blocks taken in part)."""
+    requests, tpb, blocks, params = scenario
+    runs = []
+    saved = policy_base.ShadowDuel.own_leads
+    policy_base.ShadowDuel.own_leads = lambda self, clock: False
+    try:
+        for name, p in (("lru", None), ("gdsf", GDSFParams(params.freq_weight, params.max_freq,
+                                                           params.history_ratio, 1))):
+            m = KVCacheManager(CacheSpec(tpb, blocks, enable_partial_reuse=partial,
+                                         eviction_policy=name, policy_params=p))
+            m.enable_sanity_tracking()
+            logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
+            run = []
+            for r in requests:
+                run.append((_replay(m, logged, r), logged.log))
+                logged.log = []
+            runs.append(run)
+    finally:
+        policy_base.ShadowDuel.own_leads = saved
+    assert runs[0] == runs[1]
+
+
+@st.composite
+def gdsf_shadow_releases(draw):
+    """Releases for a GDSF shadow: sampled keys (distinct in a release, deepest first) with
+    non-decreasing classes (capped at the parent's)."""
+    out = []
+    for _ in range(draw(st.integers(1, 40))):
+        keys = draw(st.lists(st.integers(0, 30), min_size=1, max_size=6, unique=True))
+        out.append((keys, sorted(draw(st.lists(st.integers(1, 5), min_size=len(keys),
+                                               max_size=len(keys))))))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(releases=gdsf_shadow_releases(), cap=st.integers(1, 12),
+       weight=st.sampled_from([0, 512, 1024, 3072]),
+       compact=st.lists(st.booleans(), min_size=40, max_size=40))
+def test_gdsf_shadow_matches_brute_force(releases, cap, weight, compact):
+    """The GDSF shadow holds the keys key-level GDSF keeps: a release's keys get H = L +
+    weight x class, then the lowest (H, class, insertion order) go while over capacity, L the
+    H of the last one gone; it counts the release's keys it held. Dropping stale entries at
+    any time changes nothing."""
+    shadow = gdsf_policy._Shadow(weight)
+    ref: dict = {}  # key -> (H, class, insertion order)
+    L = order = 0
+    for (keys, classes), squeeze in zip(releases, compact):
+        held = sum(k in ref for k in keys)
+        for k, c in zip(keys, classes):
+            order += 1
+            ref[k] = (L + weight * c, c, order)
+        while len(ref) > cap:
+            L = max(L, ref.pop(min(ref, key=ref.__getitem__))[0])
+        assert shadow.replay(keys, classes, cap) == held
+        assert set(shadow.live) == set(ref) and shadow.inflation == L
+        if squeeze:
+            shadow._compact()
+        assert shadow._check_sanity()

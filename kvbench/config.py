@@ -161,6 +161,8 @@ class SLRUConfig(Section):
         0.8, gt=0, lt=1, description="Most of the pool the protected segment may hold.")
     history_ratio: float = Field(
         8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
+    shadow_sampling: int = Field(8, ge=0, description="One key in this many feeds the LRU and SLRU"
+        " shadow caches that choose the order (0: always SLRU); fewer where each holds < 1024 keys.")
 
 
 class S3FIFOConfig(Section):
@@ -170,8 +172,9 @@ class S3FIFOConfig(Section):
         0.1, gt=0, lt=1, description="Share of the pool the small FIFO aims at.")
     max_freq: int = Field(3, ge=1, le=255, description="Accesses counted per block.")
     history_ratio: float = Field(
-        1.0, gt=0, le=MAX_RATIO,
-        description="Ghost keys remembered, as a multiple of the pool's blocks.")
+        1.0, gt=0, le=MAX_RATIO, description="Ghost keys remembered, as a multiple of the pool's blocks.")
+    shadow_sampling: int = Field(8, ge=0, description="One key in this many feeds the LRU and S3-FIFO"
+        " shadow caches that choose the order (0: always S3-FIFO); fewer where each holds < 1024 keys.")
 
 
 class GDSFConfig(Section):
@@ -199,10 +202,9 @@ class PredictiveConfig(Section):
         20.0, gt=0, le=1e9, description="Pseudo-uses the prior counts for.")
     history_ratio: float = Field(
         8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
-    shadow_sampling: int = Field(
-        8, ge=0, description="One key in this many feeds the LRU and whole-boost shadow caches"
-        " that choose whether the boost applies (0: always); fewer where each shadow would"
-        " hold under 1024 keys.")
+    shadow_sampling: int = Field(8, ge=0, description="One key in this many feeds the LRU and"
+        " whole-boost shadow caches that choose whether the boost applies (0: always); fewer"
+        " where each shadow would hold under 1024 keys.")
 
 
 class LRU2Config(Section):
@@ -211,10 +213,9 @@ class LRU2Config(Section):
     history_ratio: float = Field(
         8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's"
         " blocks; the shadow counts halve every such period.")
-    shadow_sampling: int = Field(
-        8, ge=0, description="One key in this many feeds the LRU and LRU-2 shadow caches that"
-        " choose the order (0: always LRU-2); fewer where each shadow would hold under 1024"
-        " keys.")
+    shadow_sampling: int = Field(8, ge=0, description="One key in this many feeds the LRU and"
+        " LRU-2 shadow caches that choose the order (0: always LRU-2); fewer where each shadow"
+        " would hold under 1024 keys.")
 
 
 class PolicyConfig(Section):

@@ -24,8 +24,6 @@ from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from .run_queue import RunQueue
 
-_consume = deque(maxlen=0).extend
-"""Runs an iterator to its end at C speed (deletions and serial writes)."""
 _SLACK = 256
 """Entries `ReleaseOrder` may hold beyond four times the queued blocks before it compacts or
 drops them (amortised O(1) per pushed block)."""
@@ -80,8 +78,8 @@ class ReleaseOrder:
         self._fifos[level].append([range(s - n, s), blocks, 0])
         self._entries += n
         if self._entries > 4 * len(self.queue) + _SLACK:
-            if popping:
-                self._compact()
+            if popping:  # one entry per level, the live blocks
+                self._rebuild()
             else:
                 self._drop()
 
@@ -120,17 +118,6 @@ class ReleaseOrder:
                     break
         self._entries -= gone
         return out, second
-
-    def order(self) -> list[BlockId]:
-        """The queued blocks in LRU eviction order (tests; O(n log n))."""
-        queue, serial = self.queue, self.serial
-        queued = [b for q in range(2 * NUM_PRIORITY_LEVELS) for b in queue.fifo_order(q)]
-        queued.sort(key=lambda b: (queue.fifo_of(b) >> 1, serial[b]))
-        return queued
-
-    def _compact(self) -> None:
-        """Drop the stale entries (one entry per level holds the live blocks)."""
-        self._rebuild()
 
     def _drop(self) -> None:
         for fifo in self._fifos:
@@ -197,26 +184,31 @@ class SLRUShadow:
         """Use a release's `keys` (deepest first) with whether each was `seen` before; trim
         to `cap` keys; how many of them were held."""
         prob, prot = self.probation, self.protected
-        if prot.keys().isdisjoint(keys) and prob.keys().isdisjoint(keys):
-            hits, up = 0, seen  # mostly none is held (one pass in C each)
-        else:
-            # A held key's value is 1: one pop per segment takes it out and counts it.
-            held = list(map(int.__or__, map(prot.pop, keys, repeat(0)),
-                            map(prob.pop, keys, repeat(0))))
-            hits = sum(held)
-            up = list(map(bool.__or__, map(bool, held), seen))
+        # The held keys by a pass in C over each segment's keys (most releases hold some: a
+        # shared prefix), then a step per held key.
+        held = prot.keys() & keys
+        for k in held:
+            del prot[k]
+        in_prob = prob.keys() & keys
+        for k in in_prob:
+            del prob[k]
+        held |= in_prob
+        hits = len(held)
+        up = [s or k in held for k, s in zip(keys, seen)] if hits else seen
         prot.update(zip(compress(keys, up), repeat(1)))
         prob.update(zip(compress(keys, map(not_, up)), repeat(1)))
         over = len(prot) - int(self.ratio * cap)
         if over > 0:  # demoted to probation's tail, oldest first
             demoted = list(islice(prot, over))
-            _consume(map(prot.__delitem__, demoted))
+            for k in demoted:  # a loop's deletions cost half a map of bound-method calls
+                del prot[k]
             prob.update(zip(demoted, repeat(1)))
         over = len(prob) + len(prot) - cap
         if over > 0:
             for seg in (prob, prot):
                 gone = list(islice(seg, over))
-                _consume(map(seg.__delitem__, gone))
+                for k in gone:
+                    del seg[k]
                 over -= len(gone)
                 if not over:
                     break
@@ -297,9 +289,8 @@ class S3FIFOShadow:
                     if len(small) <= target and main:
                         break
             else:
-                heads = list(islice(main.items(), over))
-                _consume(map(main.__delitem__, [k for k, _ in heads]))
-                for k, f in heads:
+                for k, f in list(islice(main.items(), over)):
+                    del main[k]
                     if f:
                         main[k] = f - 1
                     else:

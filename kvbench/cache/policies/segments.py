@@ -284,9 +284,9 @@ class SLRUPolicy(_TwoQueues):
         hist.clock = start + known.size + partial
         hist.store(known, slots, tick_entries(start, known.size), earlier)
         if self.shadows:  # the sampled keys and whether each was seen, deepest first
-            picked = self.shadows.picked(known[::-1])
-            self._duel(known[::-1][picked].tolist(), (earlier[::-1][picked] > 0).tolist(),
-                       hist.clock)
+            deep = known[::-1]
+            picked = self.shadows.picked(deep)
+            self._duel(deep[picked].tolist(), (earlier[::-1][picked] > 0).tolist(), hist.clock)
         # Protected: reused while cached, or new data whose key was used before. Mostly
         # those are the chain's shallowest blocks, `blocks` from `cut` on: then two slices,
         # no flag per block.

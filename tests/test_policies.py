@@ -19,7 +19,7 @@ from kvbench.cache.policies import base as policy_base
 from kvbench.cache.ids import Retention, TokenRangeRetention
 from kvbench.cache.policies import segment_duel
 from kvbench.cache.policies.predictive import _Shadow
-from kvbench.cache.policies.segments import GhostKeys, spread_key
+from kvbench.cache.policies.segments import GhostKeys, S3FIFOPolicy, spread_key
 from kvbench.traffic.request import Request
 from strategies import related_prompts
 from test_cache_manager import DataCheckingDriver, interleavings
@@ -1063,6 +1063,7 @@ def test_segments_evict_exactly_as_lru_while_lru_leads(name, slack, monkeypatch)
     lowest level first) and so reuse the same blocks, whatever their segments did meanwhile.
     A `slack` of -1000 rebuilds the release order after every push."""
     monkeypatch.setattr(policy_base.ShadowDuel, "own_leads", lambda self, clock: False)
+    monkeypatch.setattr(S3FIFOPolicy, "SWITCH_MARGIN", 0.0)
     monkeypatch.setattr(segment_duel, "_SLACK", slack)
 
     @settings(max_examples=80, deadline=None,
@@ -1076,10 +1077,29 @@ def test_segments_evict_exactly_as_lru_while_lru_leads(name, slack, monkeypatch)
     check()
 
 
+def test_s3fifo_leaves_its_order_only_on_a_clear_lead():
+    """S3-FIFO goes over to LRU only when LRU's shadow leads by more than SWITCH_MARGIN
+    standard deviations of the counts, and comes back as soon as its own leads (SLRU: any
+    lead, both ways)."""
+    index = KVCacheManager(CacheSpec(4, 4096)).index
+    policy = S3FIFOPolicy(4096, 4096, index, POLICIES["s3fifo"][1]())
+    duel = policy.shadows
+    margin = S3FIFOPolicy.SWITCH_MARGIN
+    steps = [([100, 90], True),  # LRU leads by 10 < 3 sqrt(190)
+             ([200, 100], False),  # by 100 > 3 sqrt(300)
+             ([120, 110], False),  # still LRU: its lead is not undone
+             ([110, 110], True)]  # own order back on a tie
+    for hits, own in steps:
+        duel.hits = list(hits)
+        policy._duel([], None, 0)
+        assert policy.use_own is own, (hits, margin)
+
+
 @pytest.mark.parametrize("name", ["slru", "s3fifo"])
 def test_segments_requeue_as_lru_while_lru_leads(name, monkeypatch):
     """A block whose retention ends goes to the back of its new level in LRU order too."""
     monkeypatch.setattr(policy_base.ShadowDuel, "own_leads", lambda self, clock: False)
+    monkeypatch.setattr(S3FIFOPolicy, "SWITCH_MARGIN", 0.0)
     ret = Retention((TokenRangeRetention(0, 4, 90, 500.0),))
     logs = []
     for policy in ("lru", name):

@@ -153,6 +153,12 @@ class HardwareConfig(Section):
     )
 
 
+def _sampling(own: str, always: str):
+    """The `shadow_sampling` key of a policy whose order duels LRU's (`policies.base`)."""
+    return Field(8, ge=0, description=f"One key in this many feeds the LRU and {own} shadow caches"
+                 f" that choose the order (0: always {always}); fewer where each holds < 1024 keys.")
+
+
 class SLRUConfig(Section):
     """Segmented LRU with a ghost history (`cache.eviction_policy: slru`)."""
 
@@ -160,6 +166,7 @@ class SLRUConfig(Section):
         0.8, gt=0, lt=1, description="Most of the pool the protected segment may hold.")
     history_ratio: float = Field(
         8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
+    shadow_sampling: int = _sampling("SLRU", "SLRU")
 
 
 class S3FIFOConfig(Section):
@@ -169,8 +176,8 @@ class S3FIFOConfig(Section):
         0.1, gt=0, lt=1, description="Share of the pool the small FIFO aims at.")
     max_freq: int = Field(3, ge=1, le=255, description="Accesses counted per block.")
     history_ratio: float = Field(
-        1.0, gt=0, le=MAX_RATIO,
-        description="Ghost keys remembered, as a multiple of the pool's blocks.")
+        1.0, gt=0, le=MAX_RATIO, description="Ghost keys remembered, as a multiple of the pool's blocks.")
+    shadow_sampling: int = _sampling("S3-FIFO", "S3-FIFO")
 
 
 class GDSFConfig(Section):
@@ -181,8 +188,7 @@ class GDSFConfig(Section):
     max_freq: int = Field(16, ge=1, le=255, description="Uses beyond this count no more.")
     history_ratio: float = Field(
         8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
-    shadow_sampling: int = Field(8, ge=0, description="One key in this many feeds the LRU and"
-                                 " GDSF shadow caches that choose the order (0: always GDSF).")
+    shadow_sampling: int = _sampling("GDSF", "GDSF")
 
 
 class PredictiveConfig(Section):
@@ -200,10 +206,7 @@ class PredictiveConfig(Section):
         20.0, gt=0, le=1e9, description="Pseudo-uses the prior counts for.")
     history_ratio: float = Field(
         8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
-    shadow_sampling: int = Field(
-        8, ge=0, description="One key in this many feeds the LRU and whole-boost shadow caches"
-        " that choose whether the boost applies (0: always); fewer where each shadow would"
-        " hold under 1024 keys.")
+    shadow_sampling: int = _sampling("whole-boost", "the boost")
 
 
 class LRU2Config(Section):
@@ -212,10 +215,7 @@ class LRU2Config(Section):
     history_ratio: float = Field(
         8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's"
         " blocks; the shadow counts halve every such period.")
-    shadow_sampling: int = Field(
-        8, ge=0, description="One key in this many feeds the LRU and LRU-2 shadow caches that"
-        " choose the order (0: always LRU-2); fewer where each shadow would hold under 1024"
-        " keys.")
+    shadow_sampling: int = _sampling("LRU-2", "LRU-2")
 
 
 class PolicyConfig(Section):

@@ -4,6 +4,7 @@ every policy, and LRU untouched by the policy machinery."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -17,8 +18,9 @@ from kvbench.cache.policies import (POLICIES, POLICY_NAMES, GDSFParams, LRU2Para
 from kvbench.cache.policies import base as policy_base
 from kvbench.cache.ids import Retention, TokenRangeRetention
 from kvbench.cache.policies import gdsf as gdsf_policy
+from kvbench.cache.policies import segment_duel
 from kvbench.cache.policies.predictive import _Shadow
-from kvbench.cache.policies.segments import GhostKeys, spread_key
+from kvbench.cache.policies.segments import GhostKeys, S3FIFOPolicy, spread_key
 from kvbench.traffic.request import Request
 from strategies import related_prompts
 from test_cache_manager import DataCheckingDriver, interleavings
@@ -469,9 +471,11 @@ _PARAMS = {
                       max_freq=st.integers(1, 5), history_ratio=st.sampled_from([0.5, 8.0]),
                       shadow_sampling=st.sampled_from([0, 1, 2, 8])),
     "slru": st.builds(SLRUParams, protected_ratio=st.sampled_from([0.2, 0.5, 0.8]),
-                      history_ratio=st.sampled_from([0.5, 8.0])),
+                      history_ratio=st.sampled_from([0.5, 8.0]),
+                      shadow_sampling=st.sampled_from([0, 1, 8])),
     "s3fifo": st.builds(S3FIFOParams, small_ratio=st.sampled_from([0.1, 0.3, 0.6]),
-                        max_freq=st.integers(1, 3), history_ratio=st.sampled_from([0.5, 1.0])),
+                        max_freq=st.integers(1, 3), history_ratio=st.sampled_from([0.5, 1.0]),
+                        shadow_sampling=st.sampled_from([0, 1, 8])),
     "lru2": st.builds(LRU2Params, history_ratio=st.sampled_from([0.25, 1.0, 8.0]),
                       shadow_sampling=st.sampled_from([0, 1, 2, 8])),
 }
@@ -494,10 +498,13 @@ def policy_scenarios(draw, name):
 def test_policy_matches_brute_force_reference(name, admission, backing, monkeypatch):
     """Small pools keep their key histories in a dict; `table` forces the numpy table that
     large pools use. Shadows of these tiny pools sample as drawn (no minimum size), so
-    sampling itself is compared too."""
+    sampling itself is compared too. SLRU and S3-FIFO are compared as published: their duel
+    is kept running (shadows fed, release order kept) but always leaves them their order."""
     if backing == "table":
         monkeypatch.setattr(policy_base, "DICT_HISTORY_MAX", 0)
     monkeypatch.setattr(policy_base, "MIN_SHADOW_KEYS", 1)
+    if name in ("slru", "s3fifo"):
+        monkeypatch.setattr(policy_base.ShadowDuel, "own_leads", lambda self, clock: True)
     @settings(max_examples=(150 if admission == "all" else 50) // (1 + (backing == "table")),
               deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -1162,3 +1169,181 @@ def test_gdsf_shadow_matches_brute_force(releases, cap, weight, compact):
         if squeeze:
             shadow._compact()
         assert shadow._check_sanity()
+
+
+# --- SLRU and S3-FIFO: the duel with LRU ------------------------------------------------------
+
+
+def _victims_and_hits(name, params, requests, tpb, blocks, partial):
+    """Per request through policy `name`: the blocks it reused and its victims' data, with
+    the manager's and the policy's invariants checked after each."""
+    m = KVCacheManager(CacheSpec(tpb, blocks, enable_partial_reuse=partial,
+                                 eviction_policy=name, policy_params=params))
+    m.enable_sanity_tracking()
+    logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
+    out = []
+    for r in requests:
+        out.append((_replay(m, logged, r), tuple(logged.log)))
+        logged.log = []
+    return out
+
+
+@pytest.mark.parametrize("name", ["slru", "s3fifo"])
+@pytest.mark.parametrize("slack", [256, -1000])
+def test_segments_evict_exactly_as_lru_while_lru_leads(name, slack, monkeypatch):
+    """With the duel forced to LRU, SLRU and S3-FIFO take the plain `lru` policy's victims in
+    its order (least recently released first, the deeper block first within a release, the
+    lowest level first) and so reuse the same blocks, whatever their segments did meanwhile.
+    A `slack` of -1000 rebuilds the release order after every push."""
+    monkeypatch.setattr(policy_base.ShadowDuel, "own_leads", lambda self, clock: False)
+    monkeypatch.setattr(S3FIFOPolicy, "SWITCH_MARGIN", 0.0)
+    monkeypatch.setattr(segment_duel, "_SLACK", slack)
+
+    @settings(max_examples=80, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(policy_scenarios(name), st.booleans())
+    def check(scenario, partial):
+        requests, tpb, blocks, params = scenario
+        params = dataclasses.replace(params, shadow_sampling=1)
+        assert (_victims_and_hits(name, params, requests, tpb, blocks, partial)
+                == _victims_and_hits("lru", None, requests, tpb, blocks, partial))
+    check()
+
+
+def test_s3fifo_leaves_its_order_only_on_a_clear_lead():
+    """S3-FIFO goes over to LRU only when LRU's shadow leads by more than SWITCH_MARGIN
+    standard deviations of the counts, and comes back as soon as its own leads (SLRU: any
+    lead, both ways)."""
+    index = KVCacheManager(CacheSpec(4, 4096)).index
+    policy = S3FIFOPolicy(4096, 4096, index, POLICIES["s3fifo"][1]())
+    duel = policy.shadows
+    margin = S3FIFOPolicy.SWITCH_MARGIN
+    steps = [([100, 90], True),  # LRU leads by 10 < 3 sqrt(190)
+             ([200, 100], False),  # by 100 > 3 sqrt(300)
+             ([120, 110], False),  # still LRU: its lead is not undone
+             ([110, 110], True)]  # own order back on a tie
+    for hits, own in steps:
+        duel.hits = list(hits)
+        policy._duel([], None, 0)
+        assert policy.use_own is own, (hits, margin)
+
+
+@pytest.mark.parametrize("name", ["slru", "s3fifo"])
+def test_segments_requeue_as_lru_while_lru_leads(name, monkeypatch):
+    """A block whose retention ends goes to the back of its new level in LRU order too."""
+    monkeypatch.setattr(policy_base.ShadowDuel, "own_leads", lambda self, clock: False)
+    monkeypatch.setattr(S3FIFOPolicy, "SWITCH_MARGIN", 0.0)
+    ret = Retention((TokenRangeRetention(0, 4, 90, 500.0),))
+    logs = []
+    for policy in ("lru", name):
+        m = KVCacheManager(CacheSpec(2, 6, enable_partial_reuse=False, eviction_policy=policy))
+        m.enable_sanity_tracking()
+        logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
+        m.refresh(0.0)
+        _cache(m, Request(next(_ids), 0.0, 7, 1, tokens=np.array([1, 2, 3, 4, 5, 6, 9]),
+                          retention=ret))
+        m.refresh(0.6)
+        for tokens in ([7, 8, 10, 11, 12, 13, 9], [14, 15, 16, 17, 18, 19, 9], [1, 2, 3, 4, 9]):
+            _cache(m, req(tokens))
+            assert m._check_sanity() and getattr(logged.inner, "_check_sanity", bool)()
+        logs.append(logged.log)
+    assert logs[0] == logs[1] and logs[0]
+
+
+@pytest.mark.parametrize("name", ["slru", "s3fifo"])
+def test_segments_stay_consistent_when_the_duel_flips(name, monkeypatch):
+    """The duel choosing either order at any release, the release order dropped and rebuilt
+    at every chance (no slack): the interleaved-sequence invariants hold, and so do the
+    policy's own (segment counts, ghosts, release order)."""
+    rng = np.random.default_rng(0)
+    monkeypatch.setattr(policy_base.ShadowDuel, "own_leads",
+                        lambda self, clock: bool(rng.integers(2)))
+    monkeypatch.setattr(segment_duel, "_SLACK", 0)
+    test_invariants_with_every_policy(name, "all")
+    test_invariants_with_every_policy(name, "second_use")
+
+
+@st.composite
+def segment_releases(draw):
+    """Releases of distinct sampled keys (deepest first), each with whether the pool's history
+    saw it before (SLRU)."""
+    out = []
+    for _ in range(draw(st.integers(1, 40))):
+        keys = draw(st.lists(st.integers(0, 30), min_size=1, max_size=6, unique=True))
+        out.append((keys, draw(st.lists(st.booleans(), min_size=len(keys),
+                                        max_size=len(keys)))))
+    return out
+
+
+@settings(max_examples=300)
+@given(releases=segment_releases(), cap=st.integers(1, 12),
+       ratio=st.sampled_from([0.1, 0.5, 0.8]))
+def test_slru_shadow_matches_brute_force(releases, cap, ratio):
+    """The SLRU shadow holds the keys of a key-at-a-time SLRU: a held or seen key to the
+    protected tail, else the probation tail; protected's head demoted to probation's tail
+    while over `ratio` of the shadow; then probation's head, else protected's, evicted while
+    over capacity. It counts the release's keys it held."""
+    shadow = segment_duel.SLRUShadow(ratio)
+    prob, prot = [], []
+    for keys, seen in releases:
+        held = 0
+        for k, s in zip(keys, seen):
+            was = k in prob or k in prot
+            held += was
+            for seg in (prob, prot):
+                if k in seg:
+                    seg.remove(k)
+            (prot if was or s else prob).append(k)
+        while len(prot) > int(ratio * cap):
+            prob.append(prot.pop(0))
+        while len(prob) + len(prot) > cap:
+            (prob or prot).pop(0)
+        assert shadow.replay(keys, seen, cap) == held
+        assert list(shadow.probation) == prob and list(shadow.protected) == prot
+
+
+@settings(max_examples=300)
+@given(releases=segment_releases(), cap=st.integers(1, 12),
+       ratio=st.sampled_from([0.1, 0.3, 0.6]), top=st.integers(1, 3),
+       ghost_cap=st.integers(1, 6))
+def test_s3fifo_shadow_matches_brute_force(releases, cap, ratio, top, ghost_cap):
+    """The S3-FIFO shadow holds the keys of a key-at-a-time S3-FIFO: a held key to its FIFO's
+    tail with its count one higher (up to `top`), a new one to main if a ghost, else small;
+    then while over capacity, small's head while small is over its target or main is empty
+    (to main, count cleared, if counted; else evicted, a ghost), else main's head (to its tail
+    with its count lowered if counted; else evicted). It counts the release's keys it held.
+    Its ghosts are `GhostKeys` (checked against `KeyHistory` above): the same calls here."""
+    shadow = segment_duel.S3FIFOShadow(ratio, top, GhostKeys(ghost_cap))
+    ghosts = GhostKeys(ghost_cap)
+    small, main = {}, {}  # key -> count, in FIFO order
+    target = max(1, int(ratio * cap))
+    for keys, _ in releases:
+        held = 0
+        ghost = ghosts.contains(keys)
+        for k, g in zip(keys, ghost):
+            fifo = small if k in small else main if k in main else None
+            if fifo is not None:
+                held += 1
+                fifo[k] = min(fifo.pop(k) + 1, top)
+            else:
+                (main if g else small)[k] = 0
+        gone = []
+        while len(small) + len(main) > cap:
+            if len(small) > target or not main:
+                k = next(iter(small))
+                f = small.pop(k)
+                if f:
+                    main[k] = 0
+                else:
+                    gone.append(k)
+            else:
+                k = next(iter(main))
+                f = main.pop(k)
+                if f:
+                    main[k] = f - 1
+        if gone:
+            ghosts.record(gone, False)
+        assert shadow.replay(keys, cap) == held
+        assert shadow.small == small and list(shadow.small) == list(small)
+        assert shadow.main == main and list(shadow.main) == list(main)
+        assert shadow.ghosts._order == ghosts._order

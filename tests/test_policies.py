@@ -1062,32 +1062,19 @@ def test_shadow_duel_samples_fewer_keys_where_the_pool_is_small():
         assert duel.sampled.sum() == -(-65521 // want_rate), (capacity, sampling)
 
 
-def test_predictive_shadows_fall_back_to_lru_when_it_holds_more():
-    """Short sessions, six at a time: with the boost, prefixes of finished sessions (used more)
-    outstay the new turns' blocks (44 hits against LRU's 54). The LRU shadow sees more hits, so
-    the pool evicts LRU for a while: victims as the reference's, and more hits than the boost
-    alone."""
-    prompts = _sessions(6, 6, 4)
+@pytest.mark.parametrize(("name", "params", "sessions", "in_lru"), [
+    ("predictive", PredictiveParams, (6, 6, 4), lambda policy: not policy.boosting),
+    ("gdsf", GDSFParams, (6, 4, 3), lambda policy: not policy.gdsf_order)])
+def test_shadows_fall_back_to_lru_when_it_holds_more(name, params, sessions, in_lru):
+    """Short sessions, several at a time: in its own order alone the policy keeps prefixes of
+    finished sessions (used more) over the new turns' blocks (predictive 44 hits against LRU's
+    54, gdsf 74 against 120). The LRU shadow sees more hits, so the pool evicts in LRU order
+    for a while: victims as the reference's, and more hits than its own order alone."""
+    prompts = _sessions(*sessions)
     hits = {}
     for sampling in (0, 1):
         hits[sampling], lru_requests = _against_reference(
-            "predictive", PredictiveParams(shadow_sampling=sampling), prompts,
-            lambda policy: not policy.boosting)
-        assert (lru_requests > 0) == (sampling > 0)
-    assert hits[1] > hits[0]
-
-
-def test_gdsf_shadows_fall_back_to_lru_when_it_holds_more():
-    """Short sessions, four at a time: GDSF keeps the prefixes of finished sessions (used
-    more) over the new turns' blocks (74 hits against LRU's 120). The LRU shadow sees more
-    hits, so the pool evicts in LRU order: victims as the reference's, and more hits than
-    GDSF alone."""
-    prompts = _sessions(6, 4, 3)
-    hits = {}
-    for sampling in (0, 1):
-        hits[sampling], lru_requests = _against_reference(
-            "gdsf", GDSFParams(shadow_sampling=sampling), prompts,
-            lambda policy: not policy.gdsf_order)
+            name, params(shadow_sampling=sampling), prompts, in_lru)
         assert (lru_requests > 0) == (sampling > 0)
     assert hits[1] > hits[0]
 
@@ -1113,24 +1100,14 @@ def test_gdsf_in_lru_order_evicts_as_lru(scenario, partial):
     free queue: the same victims in the same order and the same hits, at every retention
     level, with or without partial reuse (claims undone, blocks taken in part)."""
     requests, tpb, blocks, params = scenario
-    runs = []
     saved = policy_base.ShadowDuel.own_leads
     policy_base.ShadowDuel.own_leads = lambda self, clock: False
     try:
-        for name, p in (("lru", None), ("gdsf", GDSFParams(params.freq_weight, params.max_freq,
-                                                           params.history_ratio, 1))):
-            m = KVCacheManager(CacheSpec(tpb, blocks, enable_partial_reuse=partial,
-                                         eviction_policy=name, policy_params=p))
-            m.enable_sanity_tracking()
-            logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
-            run = []
-            for r in requests:
-                run.append((_replay(m, logged, r), logged.log))
-                logged.log = []
-            runs.append(run)
+        assert (_victims_and_hits("gdsf", dataclasses.replace(params, shadow_sampling=1),
+                                  requests, tpb, blocks, partial)
+                == _victims_and_hits("lru", None, requests, tpb, blocks, partial))
     finally:
         policy_base.ShadowDuel.own_leads = saved
-    assert runs[0] == runs[1]
 
 
 @st.composite

@@ -5,9 +5,10 @@ read element by element. A record holds its messages under `messages` (`role`, `
 OpenAI chat requests, also inside an OpenAI Batch API line's `body`), `conversations` (`from`,
 `value`: ShareGPT), `conversation` (`role`, `content`: LMSYS-Chat-1M) or `input` (messages, or
 a string: one user message; `instructions` is the system prompt: the OpenAI Responses API), or
-a `prompt` string (completions: its text as it is, no template). Content is a string, null, or a list of parts whose `text` parts count (other
-parts, images or audio, are skipped and counted: their tokens are unknown); an assistant
-message's `tool_calls` count as their JSON text.
+a `prompt` string (completions: its text as it is, no template). Content is a string, null, or
+a list of parts whose `text` parts count (other parts, images or audio, are skipped and
+counted: their tokens are unknown); an assistant message's `tool_calls` count as their JSON
+text.
 
 - Messages that end with an assistant's are a **conversation**: one request per assistant
   message after the first message, whose prompt is every message before it and whose output
@@ -64,7 +65,7 @@ _OUTPUT_KEYS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 class ChatReader(TraceReader):
     format = "chat"
-    description = "a chat trace (`messages`, `conversations` or `prompt`)"
+    description = "a chat trace (`messages`, `conversations`, `input` or `prompt`)"
 
     def __init__(self, path: Path, opts: TraceOptions) -> None:
         super().__init__(path, opts)

@@ -32,7 +32,6 @@ _FIELDS = ("chat_id", "parent_chat_id", "timestamp", "input_length", "output_len
 
 class BailianReader(HashIdReader):
     format = "bailian"
-    description = "a Bailian trace (`chat_id`, `parent_chat_id`, `turn`)"
 
     default_block_tokens = BAILIAN_BLOCK_TOKENS
 

@@ -65,7 +65,6 @@ _OUTPUT_KEYS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 class ChatReader(TraceReader):
     format = "chat"
-    description = "a chat trace (`messages`, `conversations`, `input` or `prompt`)"
 
     def __init__(self, path: Path, opts: TraceOptions) -> None:
         super().__init__(path, opts)

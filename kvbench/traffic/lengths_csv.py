@@ -39,7 +39,6 @@ LAYOUTS = {
 
 class LengthsCsvReader(TraceReader):
     format = "lengths_csv"
-    description = "a lengths-only CSV trace (Azure or BurstGPT header)"
 
     def __init__(self, path: Path, opts: TraceOptions) -> None:
         super().__init__(path, opts)

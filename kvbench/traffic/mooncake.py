@@ -57,7 +57,6 @@ def read_mooncake(
 
 class MooncakeReader(HashIdReader):
     format = "mooncake"
-    description = "a Mooncake trace (`timestamp`, `input_length`, `hash_ids`)"
 
     default_block_tokens = TRACE_BLOCK_TOKENS
 

@@ -39,7 +39,6 @@ SERVEGEN_BLOCK_TOKENS = 16
 
 class ServeGenReader(HashIdReader):
     format = "servegen"
-    description = "a ServeGen trace (`request_id`, no timestamp)"
 
     default_block_tokens = SERVEGEN_BLOCK_TOKENS
 

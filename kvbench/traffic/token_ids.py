@@ -34,7 +34,6 @@ MAX_TOKEN_ID = (1 << 62) - 1
 
 class TokenIdsReader(TraceReader):
     format = "token_ids"
-    description = "a token-id trace (`input_ids`)"
 
     def __init__(self, path: Path, opts: TraceOptions) -> None:
         super().__init__(path, opts)

@@ -458,7 +458,6 @@ class TraceReader:
     no prefix information) and `without_prompt` (records skipped: no prompt tokens)."""
 
     format = ""
-    description = ""
 
     def __init__(self, path: Path, opts: TraceOptions) -> None:
         if not (opts.time_scale > 0 and math.isfinite(opts.time_scale)):

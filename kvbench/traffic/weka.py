@@ -78,7 +78,6 @@ def conversation_files(path: Path) -> list[Path]:
 
 class WekaReader(TraceReader):
     format = "weka"
-    description = "a kv-cache-tester trace (`requests`, `block_size`)"
 
     def __init__(self, path: Path, opts: TraceOptions) -> None:
         super().__init__(path, opts)

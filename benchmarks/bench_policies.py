@@ -13,7 +13,9 @@ Usage: python benchmarks/bench_policies.py [--traces conversation,synthetic]
 A trace `gen:GENERATOR:USERS` is the built-in generator's traffic instead (4000 requests, 6
 turns, 512-token messages after a 1024-token system prompt; GENERATOR multi_turn or
 shared_prefix), a different sharing structure to check a policy does not lose to LRU there,
-e.g. --traces gen:multi_turn:40,gen:multi_turn:400 --tpb 32 --capacities 131072,32768.
+e.g. --traces gen:multi_turn:40,gen:multi_turn:400 --tpb 32 --capacities 131072,32768. Any
+other name is a trace file in a format kvbench reads (sniffed; a chat trace with the `approx`
+tokenizer), e.g. --traces /data/my_trace.jsonl.
 The LRU reference is always LRU with admission `all` (run first when --admission is another).
 Timings on a shared machine are noisy: compare policies from the same invocation. The first
 line states the machine and its load (the 1-minute load average before and after the replays);
@@ -35,7 +37,7 @@ from kvbench.cache.policies import POLICY_NAMES
 from kvbench.config_requests import RequestsConfig
 from kvbench.engine.cache_mode import replay_cache_mode
 from kvbench.oracle import reference_hit_rates
-from kvbench.traffic import load_requests, read_mooncake
+from kvbench.traffic import load_requests, open_trace, read_mooncake
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
@@ -114,8 +116,10 @@ def _machine() -> str:
 
 
 def _requests(trace: str) -> list:
-    if not trace.startswith("gen:"):
+    if trace in ("conversation", "synthetic"):
         return list(read_mooncake(TRACES / f"mooncake_{trace}_trace.jsonl"))
+    if not trace.startswith("gen:"):  # a trace file in any format kvbench reads (sniffed)
+        return list(open_trace(Path(trace)))
     _, generator, users = trace.split(":")
     cfg = RequestsConfig(source="synthetic", synthetic=dict(
         generator=generator, num_requests=4000, num_users=int(users), turns=6,

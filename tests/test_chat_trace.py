@@ -149,12 +149,14 @@ def test_a_record_without_requests_is_skipped(tmp_path):
 
 
 def test_an_empty_prompt_is_skipped(tmp_path, capsys):
-    """A prompt of no tokens has nothing to prefill; a run of one would fail, not measure."""
+    """A prompt of no tokens has nothing to prefill, nor has a conversation of no messages
+    (ShareGPT's releases hold some): skipped and counted; a run of one would fail, not
+    measure."""
     path = lines(tmp_path / "e.jsonl", {"prompt": ""}, {"prompt": "", "max_tokens": 3},
-                 {"prompt": "hi"})
+                 {"conversations": []}, {"prompt": "hi"})
     reader = open_trace(path, "chat", TraceOptions())
     assert [r.input_length for r in reader] == [1]
-    assert reader.without_prompt == 2
+    assert reader.without_prompt == 3
     workload = tmp_path / "w.yaml"
     workload.write_text((ROOT / "workloads" / "formats" / "chat.yaml").read_text()
                         .replace("samples/chat.jsonl", str(path)))
@@ -186,7 +188,6 @@ def test_approx_tokenizer_pieces():
 
 
 @pytest.mark.parametrize(("record", "message"), [
-    ({"messages": []}, "'messages' must be a non-empty list of messages, got []"),
     ({"messages": ["hi"]}, "'messages' must hold message objects, got \"hi\""),
     ({"messages": [{"content": "x"}]}, "a message of 'messages' needs a 'role' string, got null"),
     ({"conversations": [{"from": "human", "value": 3}]},
@@ -198,9 +199,9 @@ def test_approx_tokenizer_pieces():
      "'max_tokens' must be in [0, 16777215], got -1"),
     ({"text": "x"}, "expected 'messages', 'conversations', 'conversation', 'input' or "
                     "'prompt'"),
-    ({"input": 3}, "'input' must be a non-empty list of messages, got 3"),
+    ({"input": 3}, "'input' must be a list of messages, got 3"),
     ({"input": "x", "instructions": ["y"]}, "'instructions' must be a string, got [\"y\"]"),
-    ({"messages": "hi"}, "'messages' must be a non-empty list of messages, got \"hi\""),
+    ({"messages": "hi"}, "'messages' must be a list of messages, got \"hi\""),
 ])
 def test_bad_records_name_their_line(tmp_path, capsys, record, message):
     path = lines(tmp_path / "b.jsonl", SHAREGPT[0], record)

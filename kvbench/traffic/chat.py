@@ -138,8 +138,10 @@ class ChatReader(TraceReader):
         messages = body[key]
         if key == "input" and type(messages) is str:  # the Responses API: one user message
             messages = [{"role": "user", "content": messages}]
-        if type(messages) is not list or not messages:
-            raise BadField(f"'{key}' must be a non-empty list of messages, got {show(messages)}")
+        if type(messages) is not list:
+            raise BadField(f"'{key}' must be a list of messages, got {show(messages)}")
+        if not messages:  # ShareGPT's releases hold some: nothing to replay, not a bad file
+            return []
         roles, texts = zip(*(self._message(key, m) for m in messages))
         instructions = body.get("instructions")  # the Responses API's system prompt
         if instructions is not None:

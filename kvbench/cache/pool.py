@@ -47,4 +47,5 @@ class BlockPool:
         assert all(b in self for b in self.empty)
         assert not any(b in self.free_queue for b in self.empty)
         assert self.peak_in_use >= self.num_in_use
+        assert self.free_queue._check_sanity()  # LRU's links, or an eviction policy's state
         return True

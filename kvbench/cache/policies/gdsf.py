@@ -31,7 +31,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
-from heapq import heapify, heappop, heappush
+from heapq import heappop, heappush
 from itertools import compress
 from operator import eq
 
@@ -41,6 +41,7 @@ from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, ShadowDuel, chain_keys, tick_entries
+from .runs import compact_runs
 
 _UNIT = 1024
 """H is kept in 1/1024ths of `freq_weight = 1` (ints compare exactly)."""
@@ -259,15 +260,7 @@ class _Shadow:
 
     def _compact(self) -> None:
         """Drop the stale keys of the runs (heap keys stay)."""
-        get = self.live.get
-        runs = []
-        for key, orders, run_keys, k in self.heap:
-            orders, run_keys = orders[k:], run_keys[k:]
-            ok = list(map(eq, map(get, run_keys), orders))
-            if any(ok):
-                runs.append([key, list(compress(orders, ok)), list(compress(run_keys, ok)), 0])
-        heapify(runs)
-        self.heap = runs
+        self.heap = compact_runs(self.heap, self.live)
         self.entries = len(self.live)
 
     def _check_sanity(self) -> bool:

@@ -73,6 +73,7 @@ from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import TICK_SHIFT, KeyHistory, ShadowDuel, chain_keys, tick_entries
+from .runs import compact_runs
 
 _LEVEL_BITS = 7
 _LEVEL_MASK = (1 << _LEVEL_BITS) - 1
@@ -422,15 +423,7 @@ class LRU2Policy:
 
     def _compact_shadow(self) -> None:
         """Drop the stale keys of the LRU-2 shadow's runs (heap keys stay, as the pool's)."""
-        get = self._shadow_lru2.get
-        runs = []
-        for key, orders, run_keys, k in self._shadow_runs:
-            orders, run_keys = orders[k:], run_keys[k:]
-            live = list(map(eq, map(get, run_keys), orders))
-            if any(live):
-                runs.append([key, list(compress(orders, live)), list(compress(run_keys, live)), 0])
-        heapify(runs)
-        self._shadow_runs = runs
+        self._shadow_runs = compact_runs(self._shadow_runs, self._shadow_lru2)
         self._in_shadow_runs = len(self._shadow_lru2)
 
     def _check_sanity(self) -> bool:

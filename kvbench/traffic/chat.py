@@ -36,9 +36,10 @@ import numpy as np
 
 from kvbench.traffic.mooncake import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH
 from kvbench.traffic.request import Request
-from kvbench.traffic.tokenize import open_tokenizer
 from kvbench.traffic.sessions import session_starts
+from kvbench.traffic.tokenize import open_tokenizer
 from kvbench.traffic.tracefile import (
+    _LONG_INTEGER,
     BadField,
     TraceOptions,
     TraceReader,
@@ -50,7 +51,6 @@ from kvbench.traffic.tracefile import (
     jsonl_records,
     need,
     open_binary,
-    _LONG_INTEGER,
     show,
     warn,
 )
@@ -124,7 +124,7 @@ class ChatReader(TraceReader):
 
     def _record(self, obj: dict) -> list[Request]:
         """The requests of one record (module docstring)."""
-        body = obj["body"] if isinstance(obj.get("body"), dict) else obj
+        body = request_body(obj)
         key = next((k for k in MESSAGE_KEYS if k in body), None)
         if key is None:  # a completions prompt: text as it is, no template
             if "prompt" not in body:
@@ -198,6 +198,11 @@ class ChatReader(TraceReader):
         if key is None:
             return self.opts.output_length
         return check_int(key, body[key], 0, MAX_OUTPUT_LENGTH)
+
+
+def request_body(record: dict) -> dict:
+    """What a record asks: an OpenAI Batch API line's `body`, else the record itself."""
+    return record["body"] if isinstance(record.get("body"), dict) else record
 
 
 def _request(tokens: np.ndarray, output_length: int, output: np.ndarray | None) -> Request:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvbench.errors import InputError
 from kvbench.traffic.bailian import BailianReader
-from kvbench.traffic.chat import MESSAGE_KEYS, ChatReader
+from kvbench.traffic.chat import MESSAGE_KEYS, ChatReader, request_body
 from kvbench.traffic.lengths_csv import LAYOUTS, LengthsCsvReader
 from kvbench.traffic.mooncake import MooncakeReader
 from kvbench.traffic.servegen import ServeGenReader
@@ -57,8 +57,8 @@ def sniff(path: Path) -> tuple[str, str]:
         if found is not None and found[0] == "chat":
             return found
         raise InputError(f"{path}:1: a JSON array whose first element is not a chat record "
-                         f"(`messages`, `conversations` or `prompt`); the other formats are "
-                         f"JSON Lines")
+                         f"(`messages`, `conversations`, `input` or `prompt`); the other "
+                         f"formats are JSON Lines")
     if first.lstrip().startswith("{"):
         try:
             obj = json.loads(first, parse_int=_sniff_int)
@@ -117,7 +117,7 @@ def _by_keys(obj: dict) -> tuple[str, str] | None:
     if "requests" in obj and "block_size" in obj:
         return "weka", (f"a kv-cache-tester trace (`requests`, `block_size: "
                         f"{json.dumps(obj['block_size'])}`)")
-    body = obj["body"] if isinstance(obj.get("body"), dict) else obj
+    body = request_body(obj)
     chat = [k for k in MESSAGE_KEYS if k in body] or (
         ["prompt"] if isinstance(body.get("prompt"), str) else [])
     if chat:

@@ -106,9 +106,9 @@ def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def open_tokenizer(spec: str, base_dir: Path = Path(".")):
-    """`approx`, or the tokenizer file at `spec` (relative to `base_dir`)."""
+def open_tokenizer(spec: str):
+    """`approx`, or the tokenizer file at `spec` (a workload's is resolved against its folder
+    by `traffic.trace_options`)."""
     if spec == APPROX:
         return ApproxTokenizer()
-    path = Path(spec).expanduser()
-    return FileTokenizer(path if path.is_absolute() else base_dir / path)
+    return FileTokenizer(Path(spec).expanduser())

@@ -371,7 +371,8 @@ _m("data_plane_wall_s", "number", "s", "data plane wall time", "Data plane", for
 _m("data_plane_host_ms_per_step", "number", "ms", "data plane host time per step",
    "Data plane", format_small, INFO, needs="data_plane",
    description="Host time a step takes to issue its work (page tables, plans, launches), "
-               "waits for the GPU excluded; never a gate.")
+               "waits for the GPU and the one-time captures of decode CUDA graphs excluded; "
+               "never a gate.")
 # The harness.
 _m("wall_s", "number", "s", "wall time", "Run", format_seconds, INFO, pinned=True,
    description="Harness wall time, the references included (those an earlier variant of "

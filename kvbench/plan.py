@@ -422,7 +422,9 @@ def _check_tensors(wl: Workload, gpu_bytes: int, host_bytes: int) -> None:
     import torch
 
     if torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info()
+        from .kernels.storage import free_gpu_bytes
+
+        free = free_gpu_bytes()
         if gpu_bytes > free:
             raise InputError(
                 f"{where(wl)}: run.backend {wl.run.backend}: the GPU tier's K/V tensors need "

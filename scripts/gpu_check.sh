@@ -103,7 +103,7 @@ step dataplane 120 python3 benchmarks/bench_dataplane.py --requests 8 "${TRACE_S
 step fidelity 110 python3 benchmarks/bench_fidelity.py --profile "$PROFILE" --requests 16 \
     "${TRACE_SET[@]}" --json "$OUTDIR/fidelity.json"
 step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_flashinfer.py \
-    tests/test_measured.py tests/test_kernels.py tests/test_dataplane.py
+    tests/test_measured.py tests/test_kernels.py tests/test_dataplane.py tests/test_graphs.py
 step kernels 50 python3 benchmarks/bench_kernels.py --quick --json "$OUTDIR/bench.json"
 step verify 50 "${KVBENCH[@]}" run workloads/verify-small.yaml workloads/verify-serve-small.yaml -q \
     --set model.head_dim=128 --set run.backend=flashinfer --json "$OUTDIR/verify.json"

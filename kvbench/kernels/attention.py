@@ -93,7 +93,7 @@ class PagedBatch:
         "items", "pool", "window", "decode", "tpb", "num_layers", "kv_start", "kv_len",
         "qo_indptr", "kv_indptr", "last_page_len", "pages", "scratch_mask", "has_scratch",
         "new_positions", "new_tokens", "tok_batch", "tok_rel", "tok_page", "device",
-        "pages_dev", "write_rows", "rows",
+        "pages_dev", "ids", "rows", "_write_step", "_write_rows",
     )
 
     def __init__(self, items: Sequence[StepItem], pool: PoolTensors, tokens_per_block: int,
@@ -172,13 +172,16 @@ class PagedBatch:
         """What the device gets (`_on_device` reads it back in this order). Layer l's page of
         an entry is `page + l` (a scratch page is the same in every layer): expanded on the
         device from the first layer's pages (int32, FlashInfer's index type) and, with
-        scratch pages, their steps (1 or 0); the write pages (int64, for indexing) likewise
-        from each token's first-layer page."""
+        scratch pages, their steps (1 or 0); the write rows likewise from each token's rows
+        at the first layer. `ids` `[6, n]` int64: each token's K row and V row at the first
+        layer (rows of `wide_rows` of the pool), then its four `table_rows`: one array, so
+        that a decode batch's CUDA graph takes all it reads in one copy (`graphs.py`)."""
         pages, tok_page, tpb = self.pages, self.tok_page, self.tpb
-        # A token's K and V rows at the first layer, in the pool's rows (`wide_rows`).
-        k_row = pages[tok_page] * (2 * tpb) + self.tok_rel % tpb
-        arrays = [pages.astype(np.int32), np.stack((k_row, k_row + tpb), 1),
-                  table_rows(self.new_tokens, self.new_positions)]
+        ids = np.empty((6, len(tok_page)), np.int64)
+        np.add(pages[tok_page] * (2 * tpb), self.tok_rel % tpb, out=ids[0])
+        np.add(ids[0], tpb, out=ids[1])
+        ids[2:] = table_rows(self.new_tokens, self.new_positions)
+        arrays = [pages.astype(np.int32), ids]
         if self.has_scratch:
             step = (~self.scratch_mask).astype(np.int32)
             arrays += [step, step[tok_page].astype(np.int64)[:, None]]
@@ -186,15 +189,26 @@ class PagedBatch:
 
     def _on_device(self, tables: list[torch.Tensor]) -> None:
         """The batch's device tables, from its uploaded arrays (see `__init__`)."""
-        pages, write_rows, self.rows = tables[:3]
-        layers32, layer_rows = _layer_range(self.num_layers, 2 * self.tpb, self.device)
+        pages, self.ids = tables[:2]
+        self.rows = self.ids[2:]
+        self._write_rows = None
+        layers32, _ = _layer_range(self.num_layers, 2 * self.tpb, self.device)
         if self.has_scratch:
-            step, write_step = tables[3:]
+            step, self._write_step = tables[2:]
             self.pages_dev = pages + layers32 * step
-            self.write_rows = write_rows + layer_rows * write_step
         else:
+            self._write_step = None
             self.pages_dev = pages + layers32
-            self.write_rows = write_rows + layer_rows
+
+    @property
+    def write_rows(self) -> torch.Tensor:
+        """`[L, n, 2]` int64: each computed token's K and V row at each layer, in the rows of
+        `wide_rows` of the pool (what `write_kv` scatters to). Expanded on the device at first
+        use: a decode batch replayed as a CUDA graph never asks (its graph expands them)."""
+        if self._write_rows is None:
+            self._write_rows = expand_write_rows(self.ids, self.num_layers, self.tpb,
+                                                 self._write_step)
+        return self._write_rows
 
     def layer_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """The batch's tables repeated for every layer, layer-major (entry `l * n + i` is
@@ -223,7 +237,7 @@ class PagedBatch:
         part.num_layers = 1
         part.pages = np.where(self.scratch_mask, self.pages, self.pages + layer)
         part.pages_dev = self.pages_dev[layer:layer + 1]
-        part.write_rows = self.write_rows[layer:layer + 1]
+        part._write_rows = self.write_rows[layer:layer + 1]
         return part
 
     def item_keys(self, windowed: bool) -> KeyIndex:
@@ -287,7 +301,7 @@ class CrossBatch(PagedBatch):
         self.tok_batch = np.repeat(np.arange(n, dtype=np.int64), counts)
         self.new_positions = (self.kv_len - 1)[self.tok_batch]
         self.new_tokens = self.rows = None
-        self.tok_rel = self.tok_page = self.write_rows = None
+        self.tok_rel = self.tok_page = self.ids = self._write_rows = self._write_step = None
         self.device = device
         lay = np.asarray(layers, dtype=np.int64)[:, None]
         self.pages_dev, self.query_index = to_device(
@@ -339,9 +353,30 @@ class KeyIndex:
 
 def write_kv(kv: torch.Tensor, batch: PagedBatch, new_kv: torch.Tensor) -> None:
     """Write the computed tokens' K/V of every layer (`[L, n, 2, kv_heads, head_dim]`) into
-    their pages: one row copy for the whole batch, each token's K and V row at each layer
-    (`write_rows` `[L, n, 2]`, rows of `wide_rows(kv)`), bit for bit in any storage type."""
-    wide_rows(kv).index_copy_(0, batch.write_rows.view(-1), wide_rows(new_kv))
+    their pages (`batch.write_rows`)."""
+    scatter_kv(kv, batch.write_rows.view(-1), new_kv)
+
+
+def scatter_kv(kv: torch.Tensor, rows: torch.Tensor, new_kv: torch.Tensor) -> None:
+    """One row copy for a whole batch: K/V `[L, n, 2, kv_heads, head_dim]` to the rows of
+    `wide_rows(kv)` given flat (`[L * n * 2]`: each token's K and V row at each layer), bit
+    for bit in any storage type."""
+    wide_rows(kv).index_copy_(0, rows, wide_rows(new_kv))
+
+
+def expand_write_rows(ids: torch.Tensor, num_layers: int, tpb: int,
+                      write_step: torch.Tensor | None = None, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """`PagedBatch.write_rows` from its `ids` (first-layer K and V rows in `ids[:2]`): layer
+    `l` adds `l` pages' rows, or nothing for a token written to a scratch page (`write_step`
+    `[n, 1]`, 1 or 0). Into `out` when given (contiguous `[L, n, 2]`, as `write_kv` needs)."""
+    _, layer_rows = _layer_range(num_layers, 2 * tpb, ids.device)
+    if write_step is not None:
+        layer_rows = layer_rows * write_step
+    first = ids[:2].t()
+    if out is None:
+        out = torch.empty((num_layers, *first.shape), dtype=ids.dtype, device=ids.device)
+    return torch.add(first, layer_rows, out=out)
 
 
 _LAYER_RANGES: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}

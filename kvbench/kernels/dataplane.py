@@ -30,6 +30,10 @@ waits for the copies, writes the K/V of every layer in one scatter per batch, ru
 for every layer in one planned call per batch and, when the step is checked, compares with
 dense recomputation (`verify.py`). Python work per step is per batch, never per layer.
 
+On CUDA, a decode batch (one token per sequence, no scratch pages) replays CUDA graphs
+instead (`graphs.py`): its Q/K/V and write rows in one replay during preparation, its K/V
+write in one replay in the timed span, bit for bit what the eager calls give.
+
 On CUDA, events around the step's phases (not around each call) give its measured GPU times:
 copies, linear layers, K/V writes, attention, and the whole step (`StepCheck.step_ms`), which
 a measured clock takes as the step's duration. FlashInfer's JIT modules are built when the
@@ -42,12 +46,14 @@ import random
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 import torch
 
 from ..cache.ids import CopyOp
-from .attention import CrossBatch, PagedBatch, write_kv
+from .attention import CrossBatch, PagedBatch, scatter_kv, write_kv
 from .copies import CopyExecutor
+from .graphs import DecodeGraphs
 from .model import ENCODER_SEED, SyntheticModel
 from .reference import TorchBackend
 from .staging import Upload, ring
@@ -121,20 +127,17 @@ class DataPlane:
         self.copy_stream, self.stream = self._open_streams()
         self.copier = CopyExecutor(self.pools, self.device)
         self.model = SyntheticModel(shape, seed, self.device)
+        self._kv_dtype = STORAGE_DTYPES[shape.dtype]
+        self._q_dtype = QUERY_DTYPES[shape.dtype]
+        self.graphs = (DecodeGraphs(self.model, self._kv_dtype, self._q_dtype, self.device)
+                       if self._timed else None)
         self.backend = self._open_backend(backend, cross is not None)
         if engine is not None and not self._timed:
             raise ValueError("the engine's linear layers run only on CUDA")
         self.engine = engine
         self.verify = verify
-        origin = lambda pool, block: self.copier.origin[pool].get(block)  # noqa: E731
-        self.verifier = Verifier(self.model, shape.dtype, origin)
-        self.cross_model = self.cross_verifier = None
-        if cross is not None:
-            self.cross_model = SyntheticModel(shape, seed + ENCODER_SEED, self.device)
-            self.cross_verifier = Verifier(self.cross_model, shape.dtype, origin, "cross ")
+        self._open_verifiers(seed, cross is not None)
         self._sampler = random.Random(seed)
-        self._kv_dtype = STORAGE_DTYPES[shape.dtype]
-        self._q_dtype = QUERY_DTYPES[shape.dtype]
         self.steps = 0
         self.verified_steps = 0
         self.max_abs_err = 0.0
@@ -144,7 +147,8 @@ class DataPlane:
         self.times = dict.fromkeys(PHASES, 0.0)
         """Summed measured GPU ms per phase (CUDA only)."""
         self.host_s = 0.0
-        """Host time spent issuing steps (everything but waiting for the GPU)."""
+        """Host time spent issuing steps (everything but waiting for the GPU), decode graphs'
+        captures included (`metrics` leaves them out: once per size, like a JIT compile)."""
         self.wall_s = 0.0
         self.lazy_times = lazy_times and self._timed
         """Read a step's CUDA events later, so that the host prepares the next step while the
@@ -155,6 +159,19 @@ class DataPlane:
         self._pending: deque[_Marks] = deque()
         self._free_marks: list[_Marks] = []
         """Event sets whose times were read, reused (at most three exist: two pending)."""
+
+    def _open_verifiers(self, seed: int, cross: bool) -> None:
+        """The verifier, and with a `cross` pool the encoder's K/V generator and verifier."""
+        # Not through `self`: the verifier would hold the plane in a cycle, and its tensors
+        # (gigabytes of K/V on a GPU) would wait for the cyclic garbage collector.
+        copied_from = self.copier.origin
+        origin = lambda pool, block: copied_from[pool].get(block)  # noqa: E731
+        dtype = self.shape.dtype
+        self.verifier = Verifier(self.model, dtype, origin)
+        self.cross_model = self.cross_verifier = None
+        if cross:
+            self.cross_model = SyntheticModel(self.shape, seed + ENCODER_SEED, self.device)
+            self.cross_verifier = Verifier(self.cross_model, dtype, origin, "cross ")
 
     def _open_streams(self):
         """(copy stream, compute stream) on CUDA, with the staging ring pinned; (None, None)
@@ -220,8 +237,8 @@ class DataPlane:
             marks.linear.record(stream)
             if copied:
                 stream.wait_event(marks.copy)
-        for kv, batch, new_kv in writes:
-            write_kv(kv, batch, new_kv)
+        for write in writes:
+            write()
         if marks is not None:
             marks.write.record(stream)
         # Layered batches write before any whole batch attends: a beam's own item may read
@@ -308,10 +325,12 @@ class DataPlane:
         engine's linear layers produce them; those are timed instead), attention plans. Every
         batch's tables and the plans' host tables go up in one copy (`staging.Upload`). A
         batch with scratch pages runs layer by layer (every layer reuses the scratch page),
-        planned and, when checked, verified between layers. Returns `writes`: (tensor, batch,
-        K/V); `layered`: (pool, batch, K/V, q); `attend`: (verifier, pool, tensor, batch,
-        layers, q, plan), cross-attention batches (`CrossBatch`) among them; and the tokens
-        pool 0 computes (the engine's linear layers run on them)."""
+        planned and, when checked, verified between layers. Returns `writes`: calls that
+        write a batch's K/V; `layered`: (pool, batch, K/V, q); `attend`: (verifier, pool,
+        tensor, batch, layers, q, plan), cross-attention batches (`CrossBatch`) among them;
+        and the tokens pool 0 computes (the engine's linear layers run on them). A decode
+        batch on CUDA replays its captured graphs (`graphs.py`): the preparation now, the
+        write when it is called."""
         writes, layered, attend = [], [], []
         tokens = 0
         upload = Upload(self.device)
@@ -328,11 +347,17 @@ class DataPlane:
         for (pool, batch), planned in zip(batches, tables):
             tensors = self.pools[pool]
             layers = tensors.spec.layers
-            new_kv, q = self.model.qkv_all(batch.rows, layers, self._kv_dtype, self._q_dtype)
+            if self.graphs is not None and self.graphs.takes(batch):
+                new_kv, q, write = self.graphs.prepare(pool, tensors, batch)
+            else:
+                new_kv, q = self.model.qkv_all(batch.rows, layers, self._kv_dtype,
+                                               self._q_dtype)
+                # Expands the write rows here, untimed (a layered batch's slices read them).
+                write = _writer(tensors.gpu, batch, new_kv)
             if batch.has_scratch:
                 layered.append((pool, batch, new_kv, q))
             else:
-                writes.append((tensors.gpu, batch, new_kv))
+                writes.append(write)
                 attend.append((self.verifier, pool, tensors.gpu, batch, layers, q,
                                self.backend.plan(pool, batch, buffer, planned)))
             if CrossBatch.wanted(batch):
@@ -372,6 +397,7 @@ class DataPlane:
         while self._pending:
             self._add_times(self._read_marks(self._pending.popleft()))
         checked = self.verified_steps > 0
+        host_s = self.host_s - (self.graphs.capture_s if self.graphs is not None else 0.0)
         out = {
             "verified": (self.first_mismatch is None) if checked else None,
             "max_abs_err": self.max_abs_err if checked else None,
@@ -381,7 +407,7 @@ class DataPlane:
             "verified_steps": self.verified_steps,
             "copy_bytes": self.copy_bytes,
             "data_plane_wall_s": self.wall_s,
-            "data_plane_host_ms_per_step": 1e3 * self.host_s / self.steps if self.steps else 0.0,
+            "data_plane_host_ms_per_step": 1e3 * host_s / self.steps if self.steps else 0.0,
         }
         if self._timed:
             t = self.times
@@ -408,10 +434,10 @@ class DataPlane:
                           self.device, decode=False, upload=upload)
 
     def _encoder_writes(self, batch: PagedBatch):
-        """(tensor, batch, K/V) of the step's encoder writes (`_encoder_batch`, uploaded)."""
+        """The write of the step's encoder K/V (`_encoder_batch`, uploaded)."""
         cross = self._cross_tensors()
         kv, _ = self.cross_model.qkv_all(batch.rows, cross.spec.layers, self._kv_dtype, None)
-        return cross.gpu, batch, kv
+        return _writer(cross.gpu, batch, kv)
 
     def _cross_attention(self, pool: int, batch: PagedBatch, layers, q, buffer: int):
         """The `attend` entry of a decoder batch's cross attention: its items' queries with
@@ -435,6 +461,12 @@ class DataPlane:
                 if group:
                     yield pool, PagedBatch(group, self.pools[pool], tpb, self.device,
                                            decode=decode, upload=upload)
+
+
+def _writer(kv: torch.Tensor, batch: PagedBatch, new_kv: torch.Tensor):
+    """The write of a batch's K/V as a call for the timed span; its rows are expanded now, in
+    the untimed preparation."""
+    return partial(scatter_kv, kv, batch.write_rows.view(-1), new_kv)
 
 
 PHASES = ("copy", "linear", "write", "attention", "step")

@@ -145,9 +145,12 @@ class FlashInferBackend:
             indices = indices.int()
         window_left = batch.window - 1 if batch.window is not None else -1
         w = self._wrapper(pool, batch.decode, buffer, batch.causal)
+        # Only the prefill plan takes the maxima (decode: one query each, lengths known).
+        max_q = max_kv = None
+        if not batch.decode:
+            max_q, max_kv = int(np.diff(batch.qo_indptr).max()), int(batch.kv_len.max())
         self._plan_tables(w, batch.decode, ptr[0], ptr[1], indices, lens[0], batch.tpb,
-                          window_left, batch.causal, lens[1],
-                          int(np.diff(batch.qo_indptr).max()), int(batch.kv_len.max()))
+                          window_left, batch.causal, lens[1], max_q, max_kv)
         if slot is not None:
             staging.release(slot)
         return w

@@ -113,13 +113,15 @@ class SyntheticModel:
         return self._split_heads(x, with_q)
 
     def qkv_all(self, rows: torch.Tensor, layers: Sequence[int], kv_dtype: torch.dtype,
-                q_dtype: torch.dtype | None, max_bytes: int = MAX_TEMP_BYTES
+                q_dtype: torch.dtype | None, max_bytes: int = MAX_TEMP_BYTES,
+                out: tuple[torch.Tensor, torch.Tensor | None] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K/V of every layer in `layers` as `[len(layers), n, 2, kv_heads, head_dim]` of
         `kv_dtype` (a page's K-then-V layout per token) and Q as `[len(layers), n, q_heads,
         head_dim]` of `q_dtype` (None: no Q). Values are bit-identical to `qkv` per layer: the
         same elementwise float32 ops, broadcast over layers; layers go in groups so that the
-        float32 temporaries stay under `max_bytes`."""
+        float32 temporaries stay under `max_bytes`. `out`: contiguous (K/V, Q) tensors of
+        those shapes and types to write into (a CUDA graph's fixed outputs)."""
         s = self.shape
         kv, _, q = self._split
         with_q = q_dtype is not None
@@ -137,16 +139,20 @@ class SyntheticModel:
         # kernel launch fewer (a decode step's host time is mostly launches).
         parts = self._parts(rows, w, split=False)[:, None]
         group = max(1, max_bytes // max(1, 8 * n * w))
-        if group >= num:
+        if group >= num and out is None:
             # One group: the K/V (and Q) are the casts of one float32 result, no copies.
             x = parts * gains
             x = x[0] + x[1]
             kv_out = x[..., :2 * kv].to(kv_dtype)
             q_out = x[..., 2 * kv:].to(q_dtype) if with_q else None
         else:
-            kv_out = torch.empty((num, n, 2 * kv), dtype=kv_dtype, device=self.device)
-            q_out = (torch.empty((num, n, q), dtype=q_dtype, device=self.device)
-                     if with_q else None)
+            if out is not None:
+                kv_out = out[0].view(num, n, 2 * kv)
+                q_out = out[1].view(num, n, q) if with_q else None
+            else:
+                kv_out = torch.empty((num, n, 2 * kv), dtype=kv_dtype, device=self.device)
+                q_out = (torch.empty((num, n, q), dtype=q_dtype, device=self.device)
+                         if with_q else None)
             for g0 in range(0, num, group):
                 g1 = min(num, g0 + group)
                 x = parts * gains[:, g0:g1]

@@ -7,6 +7,7 @@ page table is plain page indices into one tensor, and a whole block moves as one
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 
 import torch
@@ -84,3 +85,12 @@ def make_pools(shape: ModelShape, specs: Sequence[PoolSpec], device: torch.devic
             raise ValueError("pools must cover distinct, existing layers")
         seen |= set(spec.layers)
     return [PoolTensors(shape, spec, device) for spec in specs]
+
+
+def free_gpu_bytes() -> int:
+    """What this process can still take on the current GPU: the device's free memory and what
+    PyTorch's allocator holds unused, after a collection (an earlier run's tensors, which an
+    object cycle may hold until the cyclic collector runs)."""
+    gc.collect()
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()

@@ -156,8 +156,9 @@ def open_measured_plane(plan: RunPlan):
         raise InputError(f"{here}: run.clock: measured needs a CUDA GPU and torch sees none; "
                          "use run.clock: modeled (with hardware.profile for a calibrated card)")
     from ..kernels.engine import LinearShape, LinearWork
+    from ..kernels.graphs import graph_bytes
     from ..kernels.step import ModelShape
-    from ..kernels.storage import pool_bytes
+    from ..kernels.storage import free_gpu_bytes, pool_bytes
     from ..profile import model_shape
 
     m = wl.model
@@ -169,14 +170,17 @@ def open_measured_plane(plan: RunPlan):
     mnt = wl.scheduler.max_num_tokens
     step = shape.activation_bytes(mnt) + 2 * m.num_layers * mnt * (
         2 * shape.kv + shape.q)
-    need = shape.weight_bytes + cache + step + MEASURED_OVERHEAD_BYTES
-    free, _ = torch.cuda.mem_get_info()
+    graphs = sum(graph_bytes(kv_shape, len(p.layers), wl.scheduler.max_batch_size)
+                 for p in plan.pool_specs())
+    need = shape.weight_bytes + cache + step + graphs + MEASURED_OVERHEAD_BYTES
+    free = free_gpu_bytes()
     if need > free:
         gib = 1 << 30
         raise InputError(
             f"{here}: run.clock: measured needs {need:,} bytes ({need / gib:.1f} GiB) on the "
             f"GPU: weights {shape.weight_bytes / gib:.1f} GiB, KV cache {cache / gib:.1f} GiB, "
-            f"step buffers and workspaces {(step + MEASURED_OVERHEAD_BYTES) / gib:.1f} GiB; "
+            f"step buffers, graphs and workspaces "
+            f"{(step + graphs + MEASURED_OVERHEAD_BYTES) / gib:.1f} GiB; "
             f"{torch.cuda.get_device_name()} has {free / gib:.1f} GiB free: lower "
             "cache.max_tokens or scheduler.max_num_tokens")
     if wl.run.backend == "auto":

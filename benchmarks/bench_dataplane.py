@@ -11,6 +11,12 @@ GPU), the GPU time of the steps and its phases. Both runs follow a first `cold` 
 verify off (printed, kept in the JSON), which pays the process's one-time costs. Targets
 (issue 17, 8 requests): wall <= 3 s, host <= 1 ms per step, sample <= 2x off.
 
+    python benchmarks/bench_dataplane.py --paired-graphs [--repeat 2]
+
+times what the decode CUDA graphs (`kvbench/kernels/graphs.py`) save: pairs of runs with
+`verify: off`, one replaying decode batches as graphs and one eager, their order alternating
+(the host's load drifts), then one pair with `verify: sample`.
+
     python benchmarks/bench_dataplane.py --cpu-proxy [--requests 8] [--repeat 3]
 
 is a CPU proxy of the host work, for machines without a GPU: the same slice and its 32 layers
@@ -99,6 +105,28 @@ def cpu_proxy(requests: int, repeat: int, sets: list[str]) -> dict:
     return {"cpu_proxy": runs, "sets": [*SLICE, *PROXY, *sets]}
 
 
+def paired_graphs(requests: int, repeat: int, sets: list[str]) -> list[dict]:
+    """Runs of the slice with and without decode graphs (see the module docstring)."""
+    from kvbench.kernels.graphs import DecodeGraphs
+
+    takes = DecodeGraphs.takes
+    cold = run(requests, "off", sets)
+    print(f"cold (first run, not paired): host {cold['data_plane_host_ms_per_step']:.3f} ms/step",
+          flush=True)
+    runs = [dict(cold, graphs=True, verify="off", cold=True)]
+    order = [("off", True, False), ("off", False, True)] * repeat + [("sample", True, False)]
+    for verify, first, second in order:
+        for graphs in (first, second):
+            DecodeGraphs.takes = staticmethod(takes if graphs else (lambda batch: False))
+            r = dict(run(requests, verify, sets), graphs=graphs, verify=verify)
+            runs.append(r)
+            print(f"{'graphs' if graphs else 'eager ':6s} verify {verify:6s}: host "
+                  f"{r['data_plane_host_ms_per_step']:.3f} ms/step, data plane "
+                  f"{r['data_plane_wall_s']:.2f} s wall", flush=True)
+    DecodeGraphs.takes = staticmethod(takes)
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=8)
@@ -108,7 +136,10 @@ def main() -> None:
                     help="a third run (verify off) under cProfile: the top host functions")
     ap.add_argument("--cpu-proxy", action="store_true",
                     help="host work per step on a CPU, at one-wide heads, attention not run")
-    ap.add_argument("--repeat", type=int, default=3, help="runs of --cpu-proxy")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of --cpu-proxy, pairs of --paired-graphs")
+    ap.add_argument("--paired-graphs", action="store_true",
+                    help="decode CUDA graphs against eager decode steps, in paired runs")
     args = ap.parse_args()
     if args.cpu_proxy:
         result = cpu_proxy(args.requests, args.repeat, args.sets)
@@ -121,6 +152,11 @@ def main() -> None:
         sys.exit("bench_dataplane needs CUDA")
     result = {"device": torch.cuda.get_device_name(), "requests": args.requests,
               "workload": str(WORKLOAD.relative_to(ROOT)), "sets": [*SLICE, *args.sets]}
+    if args.paired_graphs:
+        result["paired_graphs"] = paired_graphs(args.requests, args.repeat, args.sets)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return
     # A first run in the process pays one-time costs (CUDA context and module loading,
     # allocator growth, cuBLAS handles, pinned buffers): reported as `cold`, not compared.
     cold = result["cold"] = run(args.requests, "off", args.sets)

@@ -16,7 +16,8 @@
 # benchmark (benchmarks/bench_fidelity.py: issue 17's grid, then 16 requests of the serve
 # workload with the measured clock vs the calibrated profile vs the preset), the CUDA tests
 # (they add the sliding-window module), the kernel bandwidths (benchmarks/bench_kernels.py
-# --quick) and the small verify workloads on FlashInfer. A step that fails or runs out of
+# --quick), the small verify workloads on FlashInfer, and paired runs of the data-plane slice
+# with and without decode CUDA graphs (--paired-graphs). A step that fails or runs out of
 # time is recorded and the next one runs; GPU_CHECK_BUDGET_S (default 460) caps the whole,
 # GPU_CHECK_ONLY="calibrate fidelity ..." runs only the steps named.
 set -uo pipefail
@@ -107,6 +108,8 @@ step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_flashinfer.py
 step kernels 50 python3 benchmarks/bench_kernels.py --quick --json "$OUTDIR/bench.json"
 step verify 50 "${KVBENCH[@]}" run workloads/verify-small.yaml workloads/verify-serve-small.yaml -q \
     --set model.head_dim=128 --set run.backend=flashinfer --json "$OUTDIR/verify.json"
+step graphs 70 python3 benchmarks/bench_dataplane.py --paired-graphs --repeat 2 \
+    "${TRACE_SET[@]}" --json "$OUTDIR/graphs.json"
 
 python3 - "$OUTDIR" "$PROFILE" "${STEPS[@]}" <<'PY' 2>&1 | tee -a "$LOG"
 import json, re, sys
@@ -134,9 +137,11 @@ summary = {
                                             "data_plane_backend", "attention_ms")}
         for r in (verify or {}).get("runs", [])],
     "bench_kernels": load("bench.json"),
+    "decode_graphs": load("graphs.json"),
 }
 (out / "gpu_summary.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps({k: v for k, v in summary.items() if k not in ("bench_kernels", "fidelity",
-                                                               "dataplane", "profile_yaml")},
+                                                               "dataplane", "profile_yaml",
+                                                               "decode_graphs")},
                  indent=1))
 PY

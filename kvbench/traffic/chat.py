@@ -41,15 +41,13 @@ from kvbench.traffic.tokenize import open_tokenizer
 from kvbench.traffic.tracefile import (
     _LONG_INTEGER,
     BadField,
+    Timestamps,
     TraceOptions,
     TraceReader,
-    UnitCheck,
     check_int,
-    check_number,
     fail,
     json_type,
     jsonl_records,
-    need,
     open_binary,
     show,
     warn,
@@ -81,28 +79,20 @@ class ChatReader(TraceReader):
 
     def _requests(self) -> Iterator[Request]:
         name = str(self.path)
-        units = UnitCheck("timestamp", "ms")
+        stamps = Timestamps("record", ordered=False)
         gap = self.opts.sessions.turn_interval_s
         sessions = []  # per record: (start ms or None, its requests)
-        timed = None
         records = array_records(self.path) if self._array else self._records
         for lineno, obj in records:
             try:
                 if not isinstance(obj, dict):
                     raise BadField(f"expected a JSON object, got {json_type(obj)}")
-                if timed is None:
-                    timed = "timestamp" in obj
-                ts = None
-                if timed:
-                    ts = check_number("timestamp", need(obj, "timestamp"), "ms")
-                elif "timestamp" in obj:
-                    raise BadField("'timestamp' on a record of a trace whose first record has "
-                                   "none: time every record, or none")
+                ts = stamps.read(obj)
                 requests = [r for r in self._record(obj) if r.input_length]
             except BadField as e:
                 raise fail(name, lineno, str(e)) from None
             if ts is not None:
-                units.check(name, lineno, ts)
+                stamps.accept(name, lineno, ts)
             if not requests:  # an empty prompt, a lone assistant message: nothing to prefill
                 self.without_prompt += 1
                 continue
@@ -110,7 +100,7 @@ class ChatReader(TraceReader):
         if self.skipped_parts:
             warn(f"{name}: {self.skipped_parts} message parts that are not text (images, "
                  "audio) were skipped: their tokens are not counted")
-        if timed:
+        if stamps.timed:
             starts = [ts / 1000 for ts, _ in sessions]
         else:
             starts = session_starts([gap * (len(reqs) - 1) for _, reqs in sessions],

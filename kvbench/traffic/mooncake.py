@@ -29,8 +29,8 @@ from kvbench.traffic.tracefile import (
     ChainedIds,
     Cover,
     HashIdReader,
+    Timestamps,
     TraceOptions,
-    UnitCheck,
     check_int,
     check_number,
     fail,
@@ -64,16 +64,12 @@ class MooncakeReader(HashIdReader):
         name = str(self.path)
         block = self.block_tokens
         ids = _Ids()
-        units = UnitCheck("timestamp", "ms")
-        timed = None
-        prev_ts: float = 0
+        stamps = Timestamps(hint=" (AIPerf sessions with 'delay')")
         sessions: dict = {}  # untimed: session -> [offset ms, [(offset ms, order, request)]]
         order = 0
         for lineno, obj in self._records:
-            if timed is None:
-                timed = "timestamp" in obj
             try:
-                ts, input_length, output_length = _times_and_lengths(obj, timed, prev_ts)
+                ts, input_length, output_length = _times_and_lengths(obj, stamps)
                 raw = obj.get("hash_ids")
                 if raw is None and "hash_ids" not in obj:
                     # One block size per trace keeps `Request.tokens_at` injective.
@@ -83,9 +79,8 @@ class MooncakeReader(HashIdReader):
                     dense = ids.chain(raw, input_length, self.cover, lineno)
             except BadField as e:
                 raise fail(name, lineno, str(e)) from None
-            if timed:
-                units.check(name, lineno, ts)
-                prev_ts = ts
+            if stamps.timed:
+                stamps.accept(name, lineno, ts)
                 yield Request(
                     id=0, arrival_s=ts / 1000, input_length=input_length,
                     output_length=output_length, hash_ids=dense,
@@ -116,20 +111,17 @@ def _place(sessions: list, opts: TraceOptions) -> Iterator[Request]:
         yield r
 
 
-def _times_and_lengths(obj: dict, timed: bool, prev_ts: float) -> tuple[float, int, int]:
+def _times_and_lengths(obj: dict, stamps: Timestamps) -> tuple[float, int, int]:
     """The line's time (timed: `timestamp` ms; untimed: `delay` ms, 0 when absent) and lengths."""
+    # A missing field is reported before the timestamp's value or order.
+    timed = stamps.timed if stamps.timed is not None else "timestamp" in obj
     if timed:
         for key in ("timestamp", "input_length", "output_length"):
             need(obj, key)
         if "delay" in obj:
             raise BadField("'delay' and 'timestamp' on one line: give one of them")
-        ts = check_number("timestamp", obj["timestamp"], "ms")
-        if ts < prev_ts:
-            raise BadField(f"timestamp {ts} is before the previous request's {prev_ts}")
-    else:
-        if "timestamp" in obj:
-            raise BadField("'timestamp' on a line of a trace whose first line has none: time "
-                           "every line, or none (AIPerf sessions with 'delay')")
+    ts = stamps.read(obj)
+    if ts is None:
         for key in ("input_length", "output_length"):
             need(obj, key)
         ts = check_number("delay", obj["delay"], "ms") if "delay" in obj else 0.0

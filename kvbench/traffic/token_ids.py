@@ -16,13 +16,11 @@ from kvbench.traffic.request import Request
 from kvbench.traffic.sessions import single_request_arrivals
 from kvbench.traffic.tracefile import (
     BadField,
+    Timestamps,
     TraceOptions,
     TraceReader,
-    UnitCheck,
-    check_number,
     fail,
     jsonl_records,
-    need,
     need_int,
     need_list,
     show,
@@ -42,31 +40,20 @@ class TokenIdsReader(TraceReader):
 
     def _requests(self) -> Iterator[Request]:
         name = str(self.path)
-        units = UnitCheck("timestamp", "ms")
+        stamps = Timestamps()
         arrivals = single_request_arrivals(self.opts.sessions, self.opts.seed)
-        timed = None
-        prev_ts = 0.0
         for lineno, obj in self._records:
-            if timed is None:
-                timed = "timestamp" in obj
             try:
                 tokens = _tokens(obj)
                 output = need_int(obj, "output_tokens", 0, MAX_OUTPUT_LENGTH)
                 if "task_id" in obj and type(obj["task_id"]) not in (int, str):
                     raise BadField(f"'task_id' must be an integer or a string, got "
                                    f"{show(obj['task_id'])}")
-                if timed:
-                    ts = check_number("timestamp", need(obj, "timestamp"), "ms")
-                    if ts < prev_ts:
-                        raise BadField(f"timestamp {ts} is before the previous request's {prev_ts}")
-                elif "timestamp" in obj:
-                    raise BadField("'timestamp' on a line of a trace whose first line has none: "
-                                   "time every line, or none")
+                ts = stamps.read(obj)
             except BadField as e:
                 raise fail(name, lineno, str(e)) from None
-            if timed:
-                units.check(name, lineno, ts)
-                prev_ts = ts
+            if ts is not None:
+                stamps.accept(name, lineno, ts)
                 arrival = ts / 1000
             else:
                 arrival = next(arrivals)

@@ -332,6 +332,43 @@ class UnitCheck:
              f"takes {unit} (later lines not reported)")
 
 
+class Timestamps:
+    """The `timestamp` field (ms) of a JSON trace's records: on every record or on none, as
+    the first record says; with `ordered`, never before the previous record's; a value that
+    looks like another unit warned about once (`UnitCheck`)."""
+
+    __slots__ = ("noun", "ordered", "hint", "timed", "prev", "units")
+
+    def __init__(self, noun: str = "line", ordered: bool = True, hint: str = "") -> None:
+        self.noun = noun
+        self.ordered = ordered
+        self.hint = hint
+        """Appended to the error of a timestamp in an untimed trace (what it may mean)."""
+        self.timed: bool | None = None
+        self.prev = 0.0
+        self.units = UnitCheck("timestamp", "ms")
+
+    def read(self, obj: dict) -> float | None:
+        """The record's timestamp, None in an untimed trace; raises BadField."""
+        if self.timed is None:
+            self.timed = "timestamp" in obj
+        if not self.timed:
+            if "timestamp" in obj:
+                n = self.noun
+                raise BadField(f"'timestamp' on a {n} of a trace whose first {n} has none: "
+                               f"time every {n}, or none{self.hint}")
+            return None
+        ts = check_number("timestamp", need(obj, "timestamp"), "ms")
+        if self.ordered and ts < self.prev:
+            raise BadField(f"timestamp {ts} is before the previous request's {self.prev}")
+        return ts
+
+    def accept(self, name: str, lineno: int, ts: float) -> None:
+        """The record was read whole: its time is the previous one for the next record."""
+        self.units.check(name, lineno, ts)
+        self.prev = ts
+
+
 # --- hash ids ------------------------------------------------------------------------------------
 
 

@@ -160,3 +160,26 @@ def test_flashinfer_error_reaches_the_runner_as_input_error():
     wl = load_workload(VERIFY_SMALL, ["run.backend=flashinfer", "variants=[]"])
     with pytest.raises(InputError, match="verify-small.yaml: run.backend: flashinfer needs"):
         run_workload(wl)
+
+
+def test_a_data_plane_goes_with_its_last_reference():
+    """Nothing a plane holds refers back to it, so its tensors (gigabytes of K/V on a GPU)
+    are freed at once, not when the cyclic garbage collector next runs: a process running
+    several workloads would otherwise find the GPU full."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        dp = DataPlane(SHAPE, [PoolSpec((0, 1), 16, num_host_slots=4)], backend="torch",
+                       cross=PoolSpec((0, 1), 8))
+        toks = np.arange(30)
+        check = dp.execute_step([], [StepItem(1, toks, [0, 1, 2, 3, 4, 5, 6], 0, 20)])
+        assert check.verified
+        dp.execute_step([], [StepItem(1, toks, [0, 1, 2, 3, 4, 5, 6], 20, 21)])
+        dp.metrics()
+        plane = weakref.ref(dp)
+        del dp
+        assert plane() is None
+    finally:
+        gc.enable()

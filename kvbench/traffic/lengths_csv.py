@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
-
 from kvbench.traffic.mooncake import MAX_INPUT_LENGTH, MAX_OUTPUT_LENGTH
 from kvbench.traffic.request import Request
 from kvbench.traffic.tracefile import (

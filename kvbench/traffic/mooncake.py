@@ -114,8 +114,7 @@ def _place(sessions: list, opts: TraceOptions) -> Iterator[Request]:
 def _times_and_lengths(obj: dict, stamps: Timestamps) -> tuple[float, int, int]:
     """The line's time (timed: `timestamp` ms; untimed: `delay` ms, 0 when absent) and lengths."""
     # A missing field is reported before the timestamp's value or order.
-    timed = stamps.timed if stamps.timed is not None else "timestamp" in obj
-    if timed:
+    if stamps.decide(obj):
         for key in ("timestamp", "input_length", "output_length"):
             need(obj, key)
         if "delay" in obj:

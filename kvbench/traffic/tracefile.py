@@ -348,11 +348,16 @@ class Timestamps:
         self.prev = 0.0
         self.units = UnitCheck("timestamp", "ms")
 
-    def read(self, obj: dict) -> float | None:
-        """The record's timestamp, None in an untimed trace; raises BadField."""
+    def decide(self, obj: dict) -> bool:
+        """Whether the trace is timed, which its first record (`obj`, if none came before)
+        decides."""
         if self.timed is None:
             self.timed = "timestamp" in obj
-        if not self.timed:
+        return self.timed
+
+    def read(self, obj: dict) -> float | None:
+        """The record's timestamp, None in an untimed trace; raises BadField."""
+        if not self.decide(obj):
             if "timestamp" in obj:
                 n = self.noun
                 raise BadField(f"'timestamp' on a {n} of a trace whose first {n} has none: "

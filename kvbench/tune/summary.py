@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import resolve_path
-from ..traffic.tokenize import APPROX
 from ..outfile import output_file, write_files
+from ..traffic.tokenize import APPROX
 from .plan import FAILED, INVALID, Plan, _constraints_func, is_feasible, trial_workload
 from .storage import display_url
 

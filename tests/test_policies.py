@@ -1189,20 +1189,34 @@ def test_segments_evict_exactly_as_lru_while_lru_leads(name, slack, monkeypatch)
 
 def test_s3fifo_leaves_its_order_only_on_a_clear_lead():
     """S3-FIFO goes over to LRU only when LRU's shadow leads by more than SWITCH_MARGIN
-    standard deviations of the counts, and comes back as soon as its own leads (SLRU: any
-    lead, both ways)."""
+    standard deviations of the duel's counts, or by more than LONG_MARGIN of the long
+    window's, and comes back once its own holds at least as many in both (SLRU: any lead of
+    the duel's counts, both ways)."""
     index = KVCacheManager(CacheSpec(4, 4096)).index
     policy = S3FIFOPolicy(4096, 4096, index, POLICIES["s3fifo"][1]())
     duel = policy.shadows
     margin = S3FIFOPolicy.SWITCH_MARGIN
-    steps = [([100, 90], True),  # LRU leads by 10 < 3 sqrt(190)
-             ([200, 100], False),  # by 100 > 3 sqrt(300)
-             ([120, 110], False),  # still LRU: its lead is not undone
-             ([110, 110], True)]  # own order back on a tie
-    for hits, own in steps:
-        duel.hits = list(hits)
+    switch = policy.switch
+    steps = [([100, 90], [0, 0], True),  # LRU leads by 10 < 3 sqrt(190)
+             ([200, 100], [0, 0], False),  # by 100 > 3 sqrt(300)
+             ([120, 110], [0, 0], False),  # still LRU: its lead is not undone
+             ([110, 110], [0, 0], True),  # own order back on a tie
+             # The long window: LRU leads by 100 > 2 sqrt(1900) there, 5 < 3 sqrt(195) here
+             ([100, 95], [1000, 900], False),
+             ([100, 100], [1000, 900], False),  # a tie here is not enough to come back
+             ([100, 100], [1000, 1000], True),  # a tie in both is
+             ([100, 100], [1000, 920], True)]  # 80 < 2 sqrt(1920): stays
+    for hits, slow, own in steps:
+        duel.hits, switch.hits = list(hits), list(slow)
         policy._duel([], None, 0)
-        assert policy.use_own is own, (hits, margin)
+        assert policy.use_own is own, (hits, slow, margin)
+    # The long window's counts halve every LONG_WINDOW duel periods: at its first boundary
+    # the duel's own counts have halved LONG_WINDOW times.
+    period = segment_duel.LONG_WINDOW * duel._period
+    assert switch._period == period == segment_duel.LONG_WINDOW * 8 * 4096
+    switch.hits = [1001, 990]
+    assert switch.own_order(True, [0, 0], 3, 2, period - 1) and switch.hits == [1004, 992]
+    assert switch.own_order(True, [0, 0], 0, 0, 2 * period) and switch.hits == [251, 248]
 
 
 @pytest.mark.parametrize("name", ["slru", "s3fifo"])
@@ -1240,6 +1254,15 @@ def test_segments_stay_consistent_when_the_duel_flips(name, monkeypatch):
     test_invariants_with_every_policy(name, "second_use")
 
 
+def _root_run(held: list[bool]) -> int:
+    """How many of a release's keys (deepest first) were held from the last one back to the
+    first that was not: a loop, as `held_chain`'s slice and index are not."""
+    n = 0
+    while n < len(held) and held[len(held) - 1 - n]:
+        n += 1
+    return n
+
+
 @st.composite
 def segment_releases(draw):
     """Releases of distinct sampled keys (deepest first), each with whether the pool's history
@@ -1252,6 +1275,22 @@ def segment_releases(draw):
     return out
 
 
+@settings(max_examples=200)
+@given(releases=segment_releases(), cap=st.integers(1, 12))
+def test_lru_shadow_counts_every_held_key_or_the_chain(releases, cap):
+    """The LRU shadow counts the held keys of a release (its default, as lru2, gdsf and
+    predictive take it) or, with `held_chain` (SLRU and S3-FIFO), those from the root down;
+    it holds the same keys either way."""
+    every, chain = policy_base.LRUShadow(), policy_base.LRUShadow()
+    for keys, _ in releases:
+        was = [k in every.keys for k in keys]
+        assert every.replay(keys, cap) == sum(was)
+        assert chain.replay(keys, cap, segment_duel.held_chain) == _root_run(was)
+        assert list(every.keys) == list(chain.keys)
+    assert segment_duel.held_chain([]) == 0
+    assert segment_duel.held_chain([True, False, True, True]) == 2
+
+
 @settings(max_examples=300)
 @given(releases=segment_releases(), cap=st.integers(1, 12),
        ratio=st.sampled_from([0.1, 0.5, 0.8]))
@@ -1259,14 +1298,14 @@ def test_slru_shadow_matches_brute_force(releases, cap, ratio):
     """The SLRU shadow holds the keys of a key-at-a-time SLRU: a held or seen key to the
     protected tail, else the probation tail; protected's head demoted to probation's tail
     while over `ratio` of the shadow; then probation's head, else protected's, evicted while
-    over capacity. It counts the release's keys it held."""
+    over capacity. It counts the release's keys it held from the root down to the first it
+    did not (a prefix match reuses no more)."""
     shadow = segment_duel.SLRUShadow(ratio)
     prob, prot = [], []
     for keys, seen in releases:
-        held = 0
+        held = _root_run([k in prob or k in prot for k in keys])
         for k, s in zip(keys, seen):
             was = k in prob or k in prot
-            held += was
             for seg in (prob, prot):
                 if k in seg:
                     seg.remove(k)
@@ -1288,19 +1327,19 @@ def test_s3fifo_shadow_matches_brute_force(releases, cap, ratio, top, ghost_cap)
     tail with its count one higher (up to `top`), a new one to main if a ghost, else small;
     then while over capacity, small's head while small is over its target or main is empty
     (to main, count cleared, if counted; else evicted, a ghost), else main's head (to its tail
-    with its count lowered if counted; else evicted). It counts the release's keys it held.
-    Its ghosts are `GhostKeys` (checked against `KeyHistory` above): the same calls here."""
+    with its count lowered if counted; else evicted). It counts the release's keys it held
+    from the root down to the first it did not. Its ghosts are `GhostKeys` (checked against
+    `KeyHistory` above): the same calls here."""
     shadow = segment_duel.S3FIFOShadow(ratio, top, GhostKeys(ghost_cap))
     ghosts = GhostKeys(ghost_cap)
     small, main = {}, {}  # key -> count, in FIFO order
     target = max(1, int(ratio * cap))
     for keys, _ in releases:
-        held = 0
+        held = _root_run([k in small or k in main for k in keys])
         ghost = ghosts.contains(keys)
         for k, g in zip(keys, ghost):
             fifo = small if k in small else main if k in main else None
             if fifo is not None:
-                held += 1
                 fifo[k] = min(fifo.pop(k) + 1, top)
             else:
                 (main if g else small)[k] = 0

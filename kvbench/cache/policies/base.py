@@ -375,19 +375,20 @@ class LRUShadow:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def replay(self, keys: list, cap: int) -> int:
-        """Use a release's `keys` (deepest first: at equal recency the deeper goes first); how
-        many of them were held."""
+    def replay(self, keys: list, cap: int, count=sum) -> int:
+        """Use a release's `keys` (deepest first: at equal recency the deeper goes first);
+        `count` of whether each was held (how many were; `segment_duel.held_chain`: how many
+        from the root down)."""
         lru = self.keys
         # A key used again moves last (keys in a chain are distinct: each once). Its value is
-        # True, so one pop per key takes the held ones out and counts them.
-        held = sum(map(lru.pop, keys, repeat(False)))
+        # True, so one pop per key takes the held ones out and says which.
+        held = list(map(lru.pop, keys, repeat(False)))
         lru.update(zip(keys, repeat(True)))
         over = len(lru) - cap
         if over > 0:
             for k in list(islice(lru, over)):
                 del lru[k]
-        return held
+        return count(held)
 
 
 MIN_SHADOW_KEYS = 1024

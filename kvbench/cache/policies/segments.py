@@ -28,7 +28,8 @@ from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import KeyHistory, ShadowDuel, chain_keys, record_key, tick_entries
 from .run_queue import RunQueue
-from .segment_duel import ReleaseOrder, S3FIFOShadow, SLRUShadow
+from .segment_duel import (LONG_WINDOW, OrderSwitch, ReleaseOrder, S3FIFOShadow, SLRUShadow,
+                           held_chain)
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
 """FIFO mask of the first queue (class 0) at every level."""
@@ -82,10 +83,10 @@ class _TwoQueues:
     `second` one (protected / main, class 1), and which data each block last held."""
 
     __slots__ = ("index", "capacity", "queue", "num_second", "history", "_left", "_rec",
-                 "_out", "_freq", "shadows", "shadow", "use_own", "lru_order")
+                 "_out", "_freq", "shadows", "shadow", "use_own", "lru_order", "switch")
     SWITCH_MARGIN = 0.0
     """How far LRU's shadow count must lead, in standard deviations of the counts, before the
-    pool leaves its own order for LRU's (0: any lead)."""
+    pool leaves its own order for LRU's (0: any lead; else see `OrderSwitch`)."""
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex, history,
                  sampling: int = 0, period: int = 1, shadow=None) -> None:
@@ -103,6 +104,9 @@ class _TwoQueues:
         """The order victims are taken in now (False: LRU)."""
         self.lru_order = ReleaseOrder(id_space, self.queue) if sampling else None
         """The queued blocks in release order (LRU's): victims while LRU leads."""
+        self.switch = (OrderSwitch(self.SWITCH_MARGIN, LONG_WINDOW * period)
+                       if sampling and self.SWITCH_MARGIN else None)
+        """When to change order (None: as the duel's counts lead)."""
         self.history = history
         """Keys used or evicted lately (a ghost list)."""
         # A block released with the data it held when claimed was reused while cached; any
@@ -215,17 +219,17 @@ class _TwoQueues:
         `seen` before) against both shadows and choose the order at `clock` (released
         blocks)."""
         duel = self.shadows
+        lru = own = 0
         if keys:
             cap = duel.capacity
-            duel.hits[0] += duel.lru.replay(keys, cap)
-            duel.hits[1] += (self.shadow.replay(keys, cap) if seen is None
-                             else self.shadow.replay(keys, seen, cap))
+            lru = duel.lru.replay(keys, cap, held_chain)
+            own = (self.shadow.replay(keys, cap) if seen is None
+                   else self.shadow.replay(keys, seen, cap))
+            duel.hits[0] += lru
+            duel.hits[1] += own
         leads = duel.own_leads(clock)
-        if not leads and self.use_own and self.SWITCH_MARGIN:
-            # Leaving the own order only on a lead of LRU's well past the counts' noise
-            # (sampled hits are roughly Poisson: sigma ~ sqrt(count)); back at once.
-            lru, own = duel.hits
-            leads = lru - own <= self.SWITCH_MARGIN * (lru + own) ** 0.5
+        if self.switch:
+            leads = self.switch.own_order(self.use_own, duel.hits, lru, own, clock)
         self.use_own = leads
 
     def _pop_lru(self, n: int, firsts: list | None = None) -> list[BlockId]:
@@ -434,12 +438,10 @@ class S3FIFOPolicy(_TwoQueues):
     released block while the LRU shadow holds more of the sampled keys."""
 
     __slots__ = ("params", "_target", "_keyless", "_released")
-    # A switch to LRU costs S3-FIFO what its main FIFO had learnt (relearnt only through a
-    # ghost history of one pool size), so it leaves its order only on a clear lead: any lead
-    # flipped it back and forth on the synthetic trace (14.59 % at 1M tokens against LRU's
-    # 15.34 %, 15.97 % without the duel); 3 sigma gave 15.55 %, and 1.5 or 0.75 did no better
-    # than 0 there. The cost: where LRU is better, it follows later (agent-like traffic at
-    # 512K tokens 85.00 % against LRU's 86.17 %, 84.04 % without the duel).
+    # Any lead flipped it back and forth on the synthetic trace (14.59 % at 1M tokens against
+    # LRU's 15.34 %, 15.97 % without the duel); 3 sigma gave 15.55 %, and 1.5 or 0.75 did no
+    # better than 0 there. A lead that small but lasting is what `OrderSwitch`'s long window
+    # sees.
     SWITCH_MARGIN = 3.0
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,

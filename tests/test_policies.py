@@ -20,7 +20,7 @@ from kvbench.cache.ids import Retention, TokenRangeRetention
 from kvbench.cache.policies import gdsf as gdsf_policy
 from kvbench.cache.policies import segment_duel
 from kvbench.cache.policies.predictive import _Shadow
-from kvbench.cache.policies.segments import GhostKeys, S3FIFOPolicy, spread_key
+from kvbench.cache.policies.segments import GhostKeys, S3FIFOPolicy, SLRUPolicy, spread_key
 from kvbench.traffic.request import Request
 from strategies import related_prompts
 from test_cache_manager import DataCheckingDriver, interleavings
@@ -1189,34 +1189,49 @@ def test_segments_evict_exactly_as_lru_while_lru_leads(name, slack, monkeypatch)
 
 def test_s3fifo_leaves_its_order_only_on_a_clear_lead():
     """S3-FIFO goes over to LRU only when LRU's shadow leads by more than SWITCH_MARGIN
-    standard deviations of the duel's counts, or by more than LONG_MARGIN of the long
-    window's, and comes back once its own holds at least as many in both (SLRU: any lead of
-    the duel's counts, both ways)."""
+    standard deviations of the difference over the duel's window, or by more than
+    LONG_MARGIN over the long window, and comes back once its own holds at least as many in
+    both (SLRU: any lead of the duel's counts, both ways). The deviation comes from each
+    release's difference: hits held by both shadows cancel, and a run of hits at once (a
+    shared prefix) counts as one draw."""
     index = KVCacheManager(CacheSpec(4, 4096)).index
     policy = S3FIFOPolicy(4096, 4096, index, POLICIES["s3fifo"][1]())
-    duel = policy.shadows
-    margin = S3FIFOPolicy.SWITCH_MARGIN
+    assert SLRUPolicy(4096, 4096, index, POLICIES["slru"][1]()).switch is None
     switch = policy.switch
-    steps = [([100, 90], [0, 0], True),  # LRU leads by 10 < 3 sqrt(190)
-             ([200, 100], [0, 0], False),  # by 100 > 3 sqrt(300)
-             ([120, 110], [0, 0], False),  # still LRU: its lead is not undone
-             ([110, 110], [0, 0], True),  # own order back on a tie
-             # The long window: LRU leads by 100 > 2 sqrt(1900) there, 5 < 3 sqrt(195) here
-             ([100, 95], [1000, 900], False),
-             ([100, 100], [1000, 900], False),  # a tie here is not enough to come back
-             ([100, 100], [1000, 1000], True),  # a tie in both is
-             ([100, 100], [1000, 920], True)]  # 80 < 2 sqrt(1920): stays
-    for hits, slow, own in steps:
-        duel.hits, switch.hits = list(hits), list(slow)
+    short, long_ = switch.windows
+    margin = S3FIFOPolicy.SWITCH_MARGIN
+    steps = [([100, 90, 100], [0, 0, 0], True),  # LRU leads by 10 < 3 sqrt(100)
+             ([200, 100, 900], [0, 0, 0], False),  # by 100 > 3 sqrt(900)
+             ([120, 110, 100], [0, 0, 0], False),  # still LRU: its lead is not undone
+             ([110, 110, 0], [0, 0, 0], True),  # own order back on a tie
+             # The long window: LRU leads by 100 > 2 sqrt(1600) there, 5 < 3 sqrt(400) here
+             ([100, 95, 400], [1000, 900, 1600], False),
+             ([100, 100, 0], [1000, 900, 1600], False),  # a tie here is not enough
+             ([100, 100, 0], [1000, 1000, 0], True),  # a tie in both is
+             ([100, 100, 0], [1000, 920, 1600], True)]  # 80 = 2 sqrt(1600): stays
+    for duel_window, long_window, own in steps:
+        short[:3], long_[:3] = duel_window, long_window
         policy._duel([], None, 0)
-        assert policy.use_own is own, (hits, slow, margin)
-    # The long window's counts halve every LONG_WINDOW duel periods: at its first boundary
-    # the duel's own counts have halved LONG_WINDOW times.
-    period = segment_duel.LONG_WINDOW * duel._period
-    assert switch._period == period == segment_duel.LONG_WINDOW * 8 * 4096
-    switch.hits = [1001, 990]
-    assert switch.own_order(True, [0, 0], 3, 2, period - 1) and switch.hits == [1004, 992]
-    assert switch.own_order(True, [0, 0], 0, 0, 2 * period) and switch.hits == [251, 248]
+        assert policy.use_own is own, (duel_window, long_window, margin)
+    # 300 keys LRU's shadow alone held: one run at once is one draw (sigma 300), not a lead;
+    # one key at a time, 300 draws (sigma sqrt(300)), a clear one.
+    for w in switch.windows:
+        w[:3] = [0, 0, 0]
+    assert switch.own_order(True, 300, 0, 0)
+    assert short[:3] == [300, 0, 90000]
+    for w in switch.windows:
+        w[:3] = [0, 0, 0]
+    chosen = [switch.own_order(True, 1, 0, 0) for _ in range(300)]
+    assert chosen[0] and not chosen[-1]  # 1 < 3 sqrt(1); 300 > 3 sqrt(300)
+    assert short[:3] == [300, 0, 300]
+    # Each window halves its counts (and quarters the sum of squares) every its period: the
+    # duel's, and LONG_WINDOW of them.
+    period = 8 * 4096
+    assert (short[3], long_[3]) == (period, segment_duel.LONG_WINDOW * period)
+    for w in switch.windows:
+        w[:3], w[4] = [1000, 1000, 400], w[3]
+    switch.own_order(False, 3, 3, 2 * period)
+    assert short[:3] == [250, 250, 25] and long_[:3] == [1003, 1003, 400]
 
 
 @pytest.mark.parametrize("name", ["slru", "s3fifo"])

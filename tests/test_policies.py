@@ -492,6 +492,19 @@ def policy_scenarios(draw, name):
     return [req(p, q) for p, q in zip(ps, prios)], tpb, blocks, draw(_PARAMS[name])
 
 
+def _force_order(monkeypatch, choose) -> None:
+    """Every duel takes the order `choose()` gives (True: the policy's own): SLRU's and the
+    other policies' (`ShadowDuel.own_leads`) and S3-FIFO's (`OrderSwitch.own_order`, whose
+    counting still runs)."""
+    real = segment_duel.OrderSwitch.own_order
+
+    def own_order(self, *args):
+        real(self, *args)  # its counts move as in a run; the choice is forced
+        return choose()
+    monkeypatch.setattr(policy_base.ShadowDuel, "own_leads", lambda self, clock: choose())
+    monkeypatch.setattr(segment_duel.OrderSwitch, "own_order", own_order)
+
+
 @pytest.mark.parametrize("backing", ["dict", "table"])
 @pytest.mark.parametrize("name,admission", [(n, "all") for n in POLICIES]
                          + [(n, "second_use") for n in POLICIES])
@@ -504,7 +517,7 @@ def test_policy_matches_brute_force_reference(name, admission, backing, monkeypa
         monkeypatch.setattr(policy_base, "DICT_HISTORY_MAX", 0)
     monkeypatch.setattr(policy_base, "MIN_SHADOW_KEYS", 1)
     if name in ("slru", "s3fifo"):
-        monkeypatch.setattr(policy_base.ShadowDuel, "own_leads", lambda self, clock: True)
+        _force_order(monkeypatch, lambda: True)
     @settings(max_examples=(150 if admission == "all" else 50) // (1 + (backing == "table")),
               deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -1172,8 +1185,7 @@ def test_segments_evict_exactly_as_lru_while_lru_leads(name, slack, monkeypatch)
     its order (least recently released first, the deeper block first within a release, the
     lowest level first) and so reuse the same blocks, whatever their segments did meanwhile.
     A `slack` of -1000 rebuilds the release order after every push."""
-    monkeypatch.setattr(policy_base.ShadowDuel, "own_leads", lambda self, clock: False)
-    monkeypatch.setattr(S3FIFOPolicy, "SWITCH_MARGIN", 0.0)
+    _force_order(monkeypatch, lambda: False)
     monkeypatch.setattr(segment_duel, "_SLACK", slack)
 
     @settings(max_examples=80, deadline=None,
@@ -1237,8 +1249,7 @@ def test_s3fifo_leaves_its_order_only_on_a_clear_lead():
 @pytest.mark.parametrize("name", ["slru", "s3fifo"])
 def test_segments_requeue_as_lru_while_lru_leads(name, monkeypatch):
     """A block whose retention ends goes to the back of its new level in LRU order too."""
-    monkeypatch.setattr(policy_base.ShadowDuel, "own_leads", lambda self, clock: False)
-    monkeypatch.setattr(S3FIFOPolicy, "SWITCH_MARGIN", 0.0)
+    _force_order(monkeypatch, lambda: False)
     ret = Retention((TokenRangeRetention(0, 4, 90, 500.0),))
     logs = []
     for policy in ("lru", name):
@@ -1262,8 +1273,7 @@ def test_segments_stay_consistent_when_the_duel_flips(name, monkeypatch):
     at every chance (no slack): the interleaved-sequence invariants hold, and so do the
     policy's own (segment counts, ghosts, release order)."""
     rng = np.random.default_rng(0)
-    monkeypatch.setattr(policy_base.ShadowDuel, "own_leads",
-                        lambda self, clock: bool(rng.integers(2)))
+    _force_order(monkeypatch, lambda: bool(rng.integers(2)))
     monkeypatch.setattr(segment_duel, "_SLACK", 0)
     test_invariants_with_every_policy(name, "all")
     test_invariants_with_every_policy(name, "second_use")

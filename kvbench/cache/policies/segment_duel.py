@@ -30,8 +30,8 @@ LONG_WINDOW = 32
 """S3-FIFO's second pair of counts halves this many times less often than the duel's (every
 256 pool sizes of released blocks)."""
 LONG_MARGIN = 2.0
-"""How far LRU's shadow must lead in the long window, in standard deviations of its counts,
-for S3-FIFO to leave its order (`OrderSwitch`)."""
+"""How far LRU's shadow must lead in the long window, in standard deviations of the
+difference there, for S3-FIFO to leave its order (`OrderSwitch`)."""
 
 _SLACK = 256
 """Entries `ReleaseOrder` may hold beyond four times the queued blocks before it compacts or

@@ -434,7 +434,7 @@ class S3FIFOPolicy(_TwoQueues):
     FIFO if it was accessed since it entered, else it is evicted and its key becomes a ghost.
     Otherwise from the main FIFO: a head accessed since its last pass gets its count lowered
     and goes back to the tail (second chance), else it is evicted. Or the least recently
-    released block while the LRU shadow holds more of the sampled keys."""
+    released block once the LRU shadow holds clearly more of the sampled keys (`OrderSwitch`)."""
 
     __slots__ = ("params", "_target", "_keyless", "_released")
     # Any lead flipped it back and forth on the synthetic trace (14.59 % at 1M tokens against

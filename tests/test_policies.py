@@ -1248,11 +1248,11 @@ def test_s3fifo_leaves_its_order_only_on_a_clear_lead():
 
 @pytest.mark.parametrize("name", ["slru", "s3fifo"])
 def test_segments_requeue_as_lru_while_lru_leads(name, monkeypatch):
-    """A block whose retention ends goes to the back of its new level in LRU order too."""
-    _force_order(monkeypatch, lambda: False)
+    """A block whose retention ends goes to the back of its new level in LRU order too. The
+    scenario tells the orders apart: in its own order the policy's victims differ."""
     ret = Retention((TokenRangeRetention(0, 4, 90, 500.0),))
-    logs = []
-    for policy in ("lru", name):
+
+    def log(policy):
         m = KVCacheManager(CacheSpec(2, 6, enable_partial_reuse=False, eviction_policy=policy))
         m.enable_sanity_tracking()
         logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
@@ -1260,11 +1260,17 @@ def test_segments_requeue_as_lru_while_lru_leads(name, monkeypatch):
         _cache(m, Request(next(_ids), 0.0, 7, 1, tokens=np.array([1, 2, 3, 4, 5, 6, 9]),
                           retention=ret))
         m.refresh(0.6)
-        for tokens in ([7, 8, 10, 11, 12, 13, 9], [14, 15, 16, 17, 18, 19, 9], [1, 2, 3, 4, 9]):
+        for tokens in ([7, 8, 10, 11, 12, 13, 9], [14, 15, 16, 17, 18, 19, 9], [1, 2, 3, 4, 9],
+                       [7, 8, 10, 11, 9], [20, 21, 22, 23, 9], [7, 8, 10, 11, 12, 13, 9]):
             _cache(m, req(tokens))
             assert m._check_sanity() and getattr(logged.inner, "_check_sanity", bool)()
-        logs.append(logged.log)
-    assert logs[0] == logs[1] and logs[0]
+        return logged.log
+
+    lru = log("lru")
+    _force_order(monkeypatch, lambda: True)
+    assert log(name) != lru
+    _force_order(monkeypatch, lambda: False)
+    assert log(name) == lru and lru
 
 
 @pytest.mark.parametrize("name", ["slru", "s3fifo"])

@@ -509,12 +509,17 @@ def _force_order(monkeypatch, choose) -> None:
 @pytest.mark.parametrize("name,admission", [(n, "all") for n in POLICIES]
                          + [(n, "second_use") for n in POLICIES])
 def test_policy_matches_brute_force_reference(name, admission, backing, monkeypatch):
-    """Small pools keep their key histories in a dict; `table` forces the numpy table that
-    large pools use. Shadows of these tiny pools sample as drawn (no minimum size), so
-    sampling itself is compared too. SLRU and S3-FIFO are compared as published: their duel
-    is kept running (shadows fed, release order kept) but always leaves them their order."""
+    """`dict` keeps every key history of these small pools in a dict (what only the admission
+    filter's does unforced), `table` every one in the numpy table. Shadows of these tiny
+    pools sample as drawn (no minimum size), so sampling itself is compared too. SLRU and
+    S3-FIFO are compared as published: their duel is kept running (shadows fed, release
+    order kept) but always leaves them their order."""
     if backing == "table":
         monkeypatch.setattr(policy_base, "DICT_HISTORY_MAX", 0)
+    else:
+        init = policy_base.KeyHistory.__init__
+        monkeypatch.setattr(policy_base.KeyHistory, "__init__",
+                            lambda self, capacity, per_key=False: init(self, capacity, True))
     monkeypatch.setattr(policy_base, "MIN_SHADOW_KEYS", 1)
     if name in ("slru", "s3fifo"):
         _force_order(monkeypatch, lambda: True)
@@ -595,13 +600,8 @@ def test_invariants_with_every_policy(name, admission):
 def test_key_history_backings_agree(capacity, calls):
     """The dict and the numpy table give the same answers, settles included (hashed-alike
     keys collide in the small table and probe)."""
-    small = policy_base.KeyHistory(capacity)
-    saved = policy_base.DICT_HISTORY_MAX
-    policy_base.DICT_HISTORY_MAX = 0
-    try:
-        large = policy_base.KeyHistory(capacity)
-    finally:
-        policy_base.DICT_HISTORY_MAX = saved
+    small = policy_base.KeyHistory(capacity, per_key=True)
+    large = policy_base.KeyHistory(capacity)
     assert small._map is not None and large._map is None
     for kind, raw in calls:
         keys = list(dict.fromkeys(k * 64 + 63 if k is not None else None for k in raw))
@@ -631,9 +631,9 @@ def test_key_history_table_batches_agree_with_the_dict(capacity, few, batches):
     """Batches of up to 90 keys in a table of a few dozen slots: long probes, stepped by numpy
     rounds (`few` 0), one key at a time (`few` huge) or both; new keys of one batch sharing a
     free slot. Entries equal the dict backing's; the table's invariants hold after each."""
-    small = policy_base.KeyHistory(capacity)
-    saved = policy_base.DICT_HISTORY_MAX, policy_base._FEW
-    policy_base.DICT_HISTORY_MAX, policy_base._FEW = 0, few
+    small = policy_base.KeyHistory(capacity, per_key=True)
+    saved = policy_base._FEW
+    policy_base._FEW = few
     try:
         large = policy_base.KeyHistory(capacity)
         for raw in batches:
@@ -648,15 +648,15 @@ def test_key_history_table_batches_agree_with_the_dict(capacity, few, batches):
                 assert h._check_sanity()
             assert got[0] == got[1] and len(small) == len(large)
     finally:
-        policy_base.DICT_HISTORY_MAX, policy_base._FEW = saved
+        policy_base._FEW = saved
 
 
 @pytest.mark.parametrize("few", [0, 1 << 30])
 def test_key_history_probes_wrap_around_the_table(few):
     """Keys homed at the table's last slot probe on from its first (numpy rounds or one key at
     a time); the keys there before are kept."""
-    saved = policy_base.DICT_HISTORY_MAX, policy_base._FEW
-    policy_base.DICT_HISTORY_MAX, policy_base._FEW = 0, few
+    saved = policy_base._FEW
+    policy_base._FEW = few
     try:
         h = policy_base.KeyHistory(100)
         size = h._keys.size
@@ -674,7 +674,7 @@ def test_key_history_probes_wrap_around_the_table(few):
         assert (h.find(last.copy())[1] == 3 << 8).all()
         assert (h.find(first.copy())[1] == 1 << 8).all()
     finally:
-        policy_base.DICT_HISTORY_MAX, policy_base._FEW = saved
+        policy_base._FEW = saved
 
 
 @settings(max_examples=200, deadline=None)

@@ -58,7 +58,7 @@ class SecondUseAdmission:
     __slots__ = ("history",)
 
     def __init__(self, capacity: int, params: AdmissionParams) -> None:
-        self.history = KeyHistory(int(params.history_ratio * capacity))
+        self.history = KeyHistory(int(params.history_ratio * capacity), per_key=True)
 
     def filter(self, blocks: list[BlockId], stored: list, fresh: bytearray
                ) -> tuple[list[BlockId], list[BlockId]]:

@@ -61,8 +61,8 @@ structured ints (hash id and offset), so their low bits alone would sample uneve
 
 
 DICT_HISTORY_MAX = 1 << 15
-"""The largest `KeyHistory` capacity kept in a dict (at most twice that many keys: a few MB,
-which stays in the CPU caches); larger ones use the numpy table."""
+"""The largest `KeyHistory` recorded one key at a time that is kept in a dict (at most twice
+that many keys: a few MB, which stays in the CPU caches); larger ones use the numpy table."""
 
 
 def chain_keys(index: PrefixIndex, blocks: list[BlockId]) -> tuple[np.ndarray, bool]:
@@ -129,14 +129,16 @@ class KeyHistory:
     `capacity` keys are written in that many ticks), so a key is remembered for between
     `capacity` and about `2 x capacity` ticks, in amortised O(1).
 
-    Two backings, chosen by `capacity` at construction, with the same results. A large
-    history (several times the pool: 2Q, GDSF, admission) is an open-addressing table (linear
-    probing) over two int64 arrays, read and written a batch of distinct keys at a time with
-    numpy: a dict of it misses the CPU caches on every access, one access at a time; a batch
-    overlaps them. A small one (S3-FIFO's ghosts, about the pool) is a dict: it stays in the
-    CPU caches, and a few dict operations per block cost less than a numpy batch per call on
-    the short runs that S3-FIFO reads and writes. The dict is kept in entry order (a key
-    written again moves to the end), so a drop cuts its oldest part off.
+    Two backings with the same results, chosen by how the owner uses the history. One that
+    reads and writes a release's keys at once (`find`, `store`: 2Q, lru2, GDSF, predictive)
+    is an open-addressing table (linear probing) over two int64 arrays, a batch of distinct
+    keys at a time with numpy: a dict misses the CPU caches on every access, one at a time,
+    and a batch overlaps them (even with a 4096-block pool's history, a dict replays those
+    policies about 1.3x slower on the conversation trace). One that records a key per tick
+    (`per_key`: the admission filter's `record_each`) is a dict while small: it stays in
+    the CPU caches, and a few dict operations per block cost less than the table's batch
+    on the short releases of chat traffic. The dict is kept in entry order (a key written
+    again moves to the end), so a drop cuts its oldest part off.
 
     The table drops keys lazily: a drop only raises the cut below which entries count as
     forgotten (one pass to count the keys left); forgotten keys keep their slots, and a key
@@ -146,13 +148,13 @@ class KeyHistory:
     __slots__ = ("capacity", "clock", "count", "_keys", "_entries", "_mask", "_shift", "_map",
                  "_cut", "_used")
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, per_key: bool = False) -> None:
         self.capacity = max(1, capacity)
         self.clock = 0
         self.count = 0
         """Keys remembered (the table's; the dict's is its length)."""
         self._map: dict[BlockKey, int] | None = (
-            {} if self.capacity <= DICT_HISTORY_MAX else None)
+            {} if per_key and self.capacity <= DICT_HISTORY_MAX else None)
         """The dict backing, or None for the table."""
         self._cut = 1
         """Table entries below this are forgotten keys or free slots (0); entries written are

@@ -124,6 +124,8 @@ ops = st.lists(
             st.sampled_from(LEVELS),
         ),
         st.tuples(st.just("remove"), st.integers(0, CAP - 1)),
+        st.tuples(st.just("remove_many"), st.lists(st.integers(0, CAP - 1), max_size=6,
+                                                   unique=True)),
         st.tuples(st.just("pop"),),
         st.tuples(st.just("pop_many"), st.integers(0, 5)),
     ),
@@ -179,6 +181,11 @@ def test_matches_list_model(operations):
                 continue
             q.remove(b)
             del m.entries[b]
+        elif kind == "remove_many":  # a match's claims: the queued ones, in the drawn order
+            blocks = [b for b in op[1] if b in m.entries]
+            q.remove_many(blocks)
+            for b in blocks:
+                del m.entries[b]
         elif kind == "pop":
             expect = m.order()[0] if m.entries else None
             assert q.front() == expect

@@ -17,6 +17,7 @@ ops = st.lists(
         st.tuples(st.just("push"), st.lists(st.integers(0, CAP - 1), max_size=5, unique=True),
                   st.integers(0, FIFOS - 1), st.integers(0, 2), st.booleans()),
         st.tuples(st.just("remove"), st.integers(0, 99)),  # the i-th queued block, cyclically
+        st.tuples(st.just("remove_many"), st.lists(st.integers(0, 99), max_size=5)),
         st.tuples(st.just("pop"), st.integers(0, FIFOS - 1), st.integers(0, 6),
                   st.integers(0, 4), st.integers(0, 12), st.booleans()),
         st.tuples(st.just("move"), st.integers(0, FIFOS - 1), st.integers(1, FIFOS - 1),
@@ -63,6 +64,15 @@ def test_matches_a_list_per_fifo(slack, monkeypatch):
                 fifo = next(f for f in range(FIFOS) if any(x == b for x, _, _ in model[f]))
                 assert q.remove(b) == fifo
                 model[fifo] = [e for e in model[fifo] if e[0] != b]
+            elif op[0] == "remove_many":  # a match's claims: their FIFOs, stamps written
+                blocks = list(dict.fromkeys(sorted(queued)[i % len(queued)] for i in op[1]
+                                            if queued))
+                entry = {e[0]: (f, e[1]) for f in range(FIFOS) for e in model[f]}
+                stamps = bytearray(CAP)
+                assert q.remove_many(blocks, stamps) == [entry[b][0] for b in blocks]
+                assert [stamps[b] for b in blocks] == [entry[b][1] for b in blocks]
+                for f in range(FIFOS):
+                    model[f] = [e for e in model[f] if e[0] not in blocks]
             elif op[0] == "move":  # to another FIFO, restamped, keys kept
                 _, src, shift, n, low, high, stamp = op
                 dst = (src + shift) % FIFOS

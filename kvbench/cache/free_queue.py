@@ -118,6 +118,22 @@ class FreeQueue:
             self._nonempty &= ~(1 << level)
         return level
 
+    def remove_many(self, blocks: list[BlockId]) -> None:
+        """`remove` of each of `blocks` (a match's claims), in one call."""
+        level, nxt, prv = self._level, self._next, self._prev
+        nonempty = self._nonempty
+        for block in blocks:
+            lv = level[block]
+            assert lv != _NONE, "block not in the free queue"
+            a, b = prv[block], nxt[block]
+            nxt[a] = b
+            prv[b] = a
+            level[block] = _NONE
+            if a == b:  # only the sentinel is left
+                nonempty &= ~(1 << lv)
+        self._nonempty = nonempty
+        self._size -= len(blocks)
+
     def front(self) -> BlockId | None:
         """The block `pop_front` would return, or None when empty."""
         mask = self._nonempty

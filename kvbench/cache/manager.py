@@ -425,8 +425,9 @@ class KVCacheManager(AddPath, HostTier):
         its pool's free queue."""
         ref, g = self.ref_count, self.gpu.capacity
         gpu = self.gpu
-        take = gpu.free_queue.remove
-        claimed = 0
+        # The GPU blocks leave the free queue in one call: a match claims hundreds at once.
+        freed: list[BlockId] = []
+        take = freed.append
         for b in blocks:
             if b < 0:  # NO_BLOCK
                 continue
@@ -434,13 +435,13 @@ class KVCacheManager(AddPath, HostTier):
             if r == 0:
                 if b < g:
                     take(b)
-                    claimed += 1
                 else:
                     self.host.free_queue.remove(b)
                     self.host.num_in_use += 1
             ref[b] = r + 1
-        if claimed:
-            gpu.num_in_use += claimed
+        if freed:
+            gpu.free_queue.remove_many(freed)
+            gpu.num_in_use += len(freed)
             if gpu.num_in_use > gpu.peak_in_use:
                 gpu.peak_in_use = gpu.num_in_use
 

@@ -4,9 +4,9 @@ per-class FIFO queues ordered by a score.
 An eviction policy owns the free blocks of one GPU pool that still cache reusable data (the
 role `FreeQueue` plays for LRU, with the calls the manager makes): `push_back_many` when a
 sequence releases blocks (in the order the manager frees them: a sequence's deepest block
-first), `push_back` when a claim is undone, `remove` when a block is claimed (a hit, or a
-partial match being taken), `pop_front_many` to choose victims, `requeue` when a block's
-retention duration ends (it moves to another level; no use), and `__len__` / `__contains__`.
+first), `push_back` when a claim is undone, `remove_many` when a match's blocks are claimed
+(hits, or a partial match being taken), `pop_front_many` to choose victims, `requeue` when
+a block's retention ends (another level; not a use), and `__len__` / `__contains__`.
 Retention priorities come first with every policy: victims are taken from the lowest priority
 level holding a free block, and a policy only orders the blocks inside a level (so
 traffic-carried priorities and durations compose with any policy).
@@ -449,7 +449,7 @@ class ClassQueuePolicy:
     outranks its parent only if a lower class can score higher than a higher one at the same
     stamp (subclasses keep head scores monotone in the class)."""
 
-    __slots__ = ("index", "capacity", "num_classes", "queue", "remove", "_live")
+    __slots__ = ("index", "capacity", "num_classes", "queue", "remove_many", "_live")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  num_classes: int) -> None:
@@ -457,8 +457,8 @@ class ClassQueuePolicy:
         self.capacity = capacity
         self.num_classes = num_classes
         self.queue = RunQueue(id_space, NUM_PRIORITY_LEVELS * num_classes)
-        self.remove = self.queue.remove
-        """A claim (the block leaves its run): the queue's own, one call per claimed block."""
+        self.remove_many = self.queue.remove_many
+        """Claims (the blocks leave their runs): the queue's own, one call per match."""
         self._live: dict[int, tuple[list[int], list[int]]] = {}
         """By `level << num_classes | mask of its non-empty classes`: those classes and their
         FIFOs, ascending (a level holds blocks of most classes: gdsf ~14 of 17)."""

@@ -192,21 +192,23 @@ class LRU2Policy:
         """A claim undone (the block was not used): back with the rank it had."""
         self._push_ranked([block], self._ranks[block:block + 1].copy(), priority)
 
-    def remove(self, block: BlockId) -> None:
-        """A claim: the block is in use."""
-        t = self._tag[block]
-        assert t, "block not in the free queue"
-        self._tag[block] = 0
-        lv = t & _LEVEL_MASK
-        self._size -= 1
-        live = self._live[lv] = self._live[lv] - 1
-        if not live:
-            self._clear(lv)
+    def remove_many(self, blocks: list[BlockId]) -> None:
+        """Claims: the blocks are in use."""
+        tag, live = self._tag, self._live
+        for block in blocks:
+            t = tag[block]
+            assert t, "block not in the free queue"
+            tag[block] = 0
+            lv = t & _LEVEL_MASK
+            left = live[lv] = live[lv] - 1
+            if not left:
+                self._clear(lv)
+        self._size -= len(blocks)
 
     def requeue(self, block: BlockId, priority: int) -> None:
         """To level `priority` (its retention ended; not a use), after the blocks of its rank
         already there."""
-        self.remove(block)
+        self.remove_many([block])
         self._push_ranked([block], self._ranks[block:block + 1].copy(), priority)
 
     def pop_front_many(self, n: int) -> list[BlockId]:

@@ -145,15 +145,17 @@ class _TwoQueues:
         if self.lru_order:  # as LRU's: to the back of its new level
             self.lru_order.push([block], priority, not self.use_own)
 
-    def remove(self, block: BlockId) -> None:
-        """A claim: the block is in use (a hit, or a partial match being taken)."""
-        queue = self.queue
-        second = queue.remove(block) & 1
-        self._freq[block] = queue.last_stamp
+    def remove_many(self, blocks: list[BlockId]) -> None:
+        """Claims: the blocks are in use (hits, or a partial match being taken)."""
+        left, rec, stored = self._left, self._rec, self.index.stored
+        second = 0
+        for b, fifo in zip(blocks, self.queue.remove_many(blocks, self._freq)):
+            fifo &= 1
+            left[b] = 1 + fifo
+            rec[b] = stored[b]
+            second += fifo
         self.num_second -= second
-        self._left[block] = 1 + second
-        self._rec[block] = self.index.stored[block]
-        self._out += 1
+        self._out += len(blocks)
 
     def _returned(self, blocks: list[BlockId]) -> list[tuple[int, int]]:
         """Of `blocks` being queued, those that left the queue by a claim and still hold the

@@ -154,9 +154,9 @@ class HardwareConfig(Section):
 
 
 def _sampling(own: str, always: str):
-    """The `shadow_sampling` key of a policy whose order duels LRU's (`policies.base`)."""
-    return Field(8, ge=0, description=f"One key in this many feeds the LRU and {own} shadow caches"
-                 f" that choose the order (0: always {always}); fewer where each holds < 1024 keys.")
+    """The `shadow_sampling` key of a policy whose order duels LRU's (`policies.shadows`)."""
+    return Field(8, ge=0, description=f"One key in this many feeds the LRU and {own} shadows that"
+                 f" choose the order (0: always {always}); fewer below 1024 keys or 64K tokens.")
 
 
 class SLRUConfig(Section):

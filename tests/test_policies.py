@@ -18,7 +18,7 @@ from kvbench.cache.policies import (POLICIES, POLICY_NAMES, GDSFParams, LRU2Para
 from kvbench.cache.policies import base as policy_base
 from kvbench.cache.ids import Retention, TokenRangeRetention
 from kvbench.cache.policies import gdsf as gdsf_policy
-from kvbench.cache.policies import segment_duel
+from kvbench.cache.policies import segment_duel, shadows
 from kvbench.cache.policies.predictive import _Shadow
 from kvbench.cache.policies.segments import GhostKeys, S3FIFOPolicy, SLRUPolicy, spread_key
 from kvbench.traffic.request import Request
@@ -63,7 +63,7 @@ class _Ref:
 class RefScored(_Ref):
     """Predictive and GDSF: victim = min (level, score, class, push order)."""
 
-    def __init__(self, capacity, key, name, params):
+    def __init__(self, capacity, key, name, params, tpb):
         super().__init__(capacity, key)
         self.name, self.p = name, params
         self.hist: dict = {}  # key -> (clock, class)
@@ -77,7 +77,7 @@ class RefScored(_Ref):
         self.L = 0
         if name == "predictive":
             self.horizon = int(params.horizon_ratio * capacity)
-            self.sampling, self.scap = _shadow_size(capacity, params.shadow_sampling)
+            self.sampling, self.scap = _shadow_size(capacity, params.shadow_sampling, tpb)
             # LRU order and the boosted one: key -> (stamp, class, order)
             self.shadows = [{}, {}]
             self.s_order = 0
@@ -87,7 +87,7 @@ class RefScored(_Ref):
             self.bkey = None
         else:
             self.w = int(params.freq_weight * 1024)
-            self.sampling, self.scap = _shadow_size(capacity, params.shadow_sampling)
+            self.sampling, self.scap = _shadow_size(capacity, params.shadow_sampling, tpb)
             self.s_lru: list = []  # LRU shadow, least recent first
             self.s_gdsf: dict = {}  # key -> (H, class, insertion order)
             self.s_L = self.s_order = 0
@@ -190,7 +190,7 @@ class RefScored(_Ref):
 class RefSegments(_Ref):
     """SLRU and S3-FIFO: `seg` 0 (probation / small) or 1 (protected / main)."""
 
-    def __init__(self, capacity, key, name, params):
+    def __init__(self, capacity, key, name, params, tpb):
         super().__init__(capacity, key)
         self.name, self.p = name, params
         self.hist: dict = {}  # key -> (clock,)
@@ -289,12 +289,12 @@ class RefLRU2(_Ref):
     a dict of (rank, push order), each trimmed to the pool over the sampling rate after a
     release; `bkey(data)` is the block's key, which decides the sampling."""
 
-    def __init__(self, capacity, key, name, params):
+    def __init__(self, capacity, key, name, params, tpb):
         super().__init__(capacity, key)
         self.hist: dict = {}  # key -> (tick of its last use,)
         self.hcap = max(1, int(params.history_ratio * capacity))
         self.clock = 0
-        self.sampling, self.scap = _shadow_size(capacity, params.shadow_sampling)
+        self.sampling, self.scap = _shadow_size(capacity, params.shadow_sampling, tpb)
         self.s_lru: list = []
         self.s_lru2: dict = {}
         self.s_order = 0
@@ -354,7 +354,7 @@ class RefCache:
         self.tpb, self.n = tpb, n
         self.data: list = [None] * n
         key = self.data.__getitem__
-        self.policy = _REFS[name](n, key, name, params)
+        self.policy = _REFS[name](n, key, name, params, tpb)
         self.admission = admission
         self.bkeys: dict = {}  # data -> block key
         self.policy.bkey = self.bkeys.__getitem__
@@ -439,12 +439,14 @@ class LoggedQueue:
         return getattr(self.inner, name)
 
 
-def _shadow_size(capacity, sampling):
-    """(keys sampled one in, shadow capacity) for a pool: one in `sampling`, fewer where the
-    shadows would hold under `MIN_SHADOW_KEYS` (0, 0: no shadows)."""
+def _shadow_size(capacity, sampling, tpb):
+    """(keys sampled one in, shadow capacity) for a pool of blocks of `tpb` tokens: one in
+    `sampling`, fewer where the shadows would hold under `MIN_SHADOW_KEYS` keys or
+    `MIN_SHADOW_TOKENS` tokens (0, 0: no shadows)."""
     if not sampling:
         return 0, 0
-    sampling = max(1, min(sampling, capacity // policy_base.MIN_SHADOW_KEYS))
+    least = max(shadows.MIN_SHADOW_KEYS, shadows.MIN_SHADOW_TOKENS // tpb)
+    sampling = max(1, min(sampling, capacity // least))
     return sampling, max(1, capacity // sampling)
 
 
@@ -501,7 +503,7 @@ def _force_order(monkeypatch, choose) -> None:
     def own_order(self, *args):
         real(self, *args)  # its counts move as in a run; the choice is forced
         return choose()
-    monkeypatch.setattr(policy_base.ShadowDuel, "own_leads", lambda self, clock: choose())
+    monkeypatch.setattr(shadows.ShadowDuel, "own_leads", lambda self, clock: choose())
     monkeypatch.setattr(segment_duel.OrderSwitch, "own_order", own_order)
 
 
@@ -520,7 +522,8 @@ def test_policy_matches_brute_force_reference(name, admission, backing, monkeypa
         init = policy_base.KeyHistory.__init__
         monkeypatch.setattr(policy_base.KeyHistory, "__init__",
                             lambda self, capacity, per_key=False: init(self, capacity, True))
-    monkeypatch.setattr(policy_base, "MIN_SHADOW_KEYS", 1)
+    monkeypatch.setattr(shadows, "MIN_SHADOW_KEYS", 1)
+    monkeypatch.setattr(shadows, "MIN_SHADOW_TOKENS", 1)
     if name in ("slru", "s3fifo"):
         _force_order(monkeypatch, lambda: True)
     @settings(max_examples=(150 if admission == "all" else 50) // (1 + (backing == "table")),
@@ -1025,7 +1028,7 @@ def test_predictive_shadow_matches_brute_force(releases, cap, compact):
     (stamp + shift of its class, class, insertion order) go while over capacity, and it counts
     the release's keys it held. With no shift it is the LRU shadow. Dropping stale entries at
     any time changes nothing."""
-    shadow, lru = _Shadow(5), policy_base.LRUShadow()
+    shadow, lru = _Shadow(5), shadows.LRUShadow()
     ref: dict = {}  # key -> (stamp, class, insertion order)
     order = 0
     for (keys, classes, stamp, shift), squeeze in zip(releases, compact):
@@ -1053,7 +1056,7 @@ def test_predictive_shadow_matches_brute_force(releases, cap, compact):
 def test_shadow_duel_halves_counts_each_period_and_favours_the_policy_on_a_tie():
     """The counts halve once per period passed (several at once after a long release), and
     the policy's own order leads while its count is at least LRU's."""
-    duel = policy_base.ShadowDuel(capacity=80 * 1024, sampling=8, period=100)
+    duel = shadows.ShadowDuel(capacity=80 * 1024, sampling=8, period=100, tokens_per_block=64)
     assert duel.capacity == 10 * 1024 and duel.sampled.sum() == -(-65521 // 8)
     assert duel.own_leads(0)  # 0 against 0
     duel.hits = [9, 8]
@@ -1065,12 +1068,16 @@ def test_shadow_duel_halves_counts_each_period_and_favours_the_policy_on_a_tie()
 
 
 def test_shadow_duel_samples_fewer_keys_where_the_pool_is_small():
-    """Each shadow holds MIN_SHADOW_KEYS keys where the pool has that many blocks (a shadow
-    of a few hundred keys measures mostly noise), else every key."""
-    size = policy_base.MIN_SHADOW_KEYS
-    for capacity, sampling, want_rate in [(16 * size, 8, 8), (4 * size, 8, 4), (size, 8, 1),
-                                          (size // 2, 8, 1), (3, 8, 1), (64 * size, 2, 2)]:
-        duel = policy_base.ShadowDuel(capacity, sampling, period=1)
+    """Each shadow holds MIN_SHADOW_KEYS keys, and MIN_SHADOW_TOKENS tokens in them, where the
+    pool has that many (a shadow of a few hundred keys, or of a few prompts cut into short
+    blocks, measures mostly noise), else every key."""
+    size = shadows.MIN_SHADOW_KEYS
+    assert shadows.MIN_SHADOW_TOKENS == 64 * size  # the tokens decide below 64 a block
+    for capacity, sampling, tpb, want_rate in [
+            (16 * size, 8, 64, 8), (4 * size, 8, 64, 4), (size, 8, 64, 1), (size // 2, 8, 64, 1),
+            (3, 8, 64, 1), (64 * size, 2, 64, 2), (4 * size, 8, 128, 4), (8 * size, 8, 16, 2),
+            (8 * size, 8, 32, 4), (16 * size, 8, 16, 4), (64 * size, 8, 16, 8)]:
+        duel = shadows.ShadowDuel(capacity, sampling, period=1, tokens_per_block=tpb)
         assert duel.capacity == max(1, capacity // want_rate), (capacity, sampling)
         assert duel.sampled.sum() == -(-65521 // want_rate), (capacity, sampling)
 
@@ -1113,14 +1120,14 @@ def test_gdsf_in_lru_order_evicts_as_lru(scenario, partial):
     free queue: the same victims in the same order and the same hits, at every retention
     level, with or without partial reuse (claims undone, blocks taken in part)."""
     requests, tpb, blocks, params = scenario
-    saved = policy_base.ShadowDuel.own_leads
-    policy_base.ShadowDuel.own_leads = lambda self, clock: False
+    saved = shadows.ShadowDuel.own_leads
+    shadows.ShadowDuel.own_leads = lambda self, clock: False
     try:
         assert (_victims_and_hits("gdsf", dataclasses.replace(params, shadow_sampling=1),
                                   requests, tpb, blocks, partial)
                 == _victims_and_hits("lru", None, requests, tpb, blocks, partial))
     finally:
-        policy_base.ShadowDuel.own_leads = saved
+        shadows.ShadowDuel.own_leads = saved
 
 
 @st.composite
@@ -1312,7 +1319,7 @@ def test_lru_shadow_counts_every_held_key_or_the_chain(releases, cap):
     """The LRU shadow counts the held keys of a release (its default, as lru2, gdsf and
     predictive take it) or, with `held_chain` (SLRU and S3-FIFO), those from the root down;
     it holds the same keys either way."""
-    every, chain = policy_base.LRUShadow(), policy_base.LRUShadow()
+    every, chain = shadows.LRUShadow(), shadows.LRUShadow()
     for keys, _ in releases:
         was = [k in every.keys for k in keys]
         assert every.replay(keys, cap) == sum(was)

@@ -21,7 +21,7 @@ before their parents and orphans are rare.
 from __future__ import annotations
 
 from bisect import bisect_left
-from itertools import compress, islice, repeat
+from itertools import compress, islice
 from operator import itemgetter
 
 import numpy as np
@@ -54,10 +54,6 @@ LOW_BYTE = np.array(255, np.int64)
 TICK_SHIFT = np.array(8, np.int64)
 """An entry's clock: `entry >> TICK_SHIFT`."""
 _TICK = 1 << int(TICK_SHIFT)
-
-SAMPLE_PRIME = np.array(65521, np.int64)
-"""Shadow caches take the keys with `key % prime % sampling == 0`: block keys of a trace are
-structured ints (hash id and offset), so their low bits alone would sample unevenly."""
 
 
 DICT_HISTORY_MAX = 1 << 15
@@ -359,78 +355,6 @@ class KeyHistory:
         self._shift = np.array(65 - size.bit_length(), np.uint64)
         self.count = 0
         self._used = 0
-
-
-class LRUShadow:
-    """A shadow cache of sampled keys in LRU order (miniature simulation, Waldspurger et al.,
-    USENIX ATC'17), trimmed to its capacity after each release: the keys LRU would hold in a
-    pool that many times smaller. It sees keys, not chains (a sampled key can hit after its
-    parent left): an estimate of LRU's hit rate, not a replay."""
-
-    __slots__ = ("keys",)
-
-    def __init__(self) -> None:
-        self.keys: dict = {}
-        """Sampled keys in LRU order, each to True (a dict keeps insertion order; a use moves
-        a key last)."""
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def replay(self, keys: list, cap: int, count=sum) -> int:
-        """Use a release's `keys` (deepest first: at equal recency the deeper goes first);
-        `count` of whether each was held (how many were; `segment_duel.held_chain`: how many
-        from the root down)."""
-        lru = self.keys
-        # A key used again moves last (keys in a chain are distinct: each once). Its value is
-        # True, so one pop per key takes the held ones out and says which.
-        held = list(map(lru.pop, keys, repeat(False)))
-        lru.update(zip(keys, repeat(True)))
-        over = len(lru) - cap
-        if over > 0:
-            for k in list(islice(lru, over)):
-                del lru[k]
-        return count(held)
-
-
-MIN_SHADOW_KEYS = 1024
-"""Fewest keys a shadow holds where the pool has that many blocks: one key in 8 of a
-2048-block pool is a 256-key shadow, whose hit counts are mostly noise (on agent-like traffic
-at 128K tokens `predictive` then chose wrong often enough to lose 0.64 pp to LRU; at 1024 keys
-it gains 0.27)."""
-
-
-class ShadowDuel:
-    """Which of two orders suits the traffic, by miniature simulations (Waldspurger et al., USENIX
-    ATC'17): one key in `sampling` (by `key % SAMPLE_PRIME`; fewer where the shadows would hold
-    under `MIN_SHADOW_KEYS`) is replayed against an LRU shadow and a shadow of the policy's own
-    order, each of the pool's capacity over the same rate. `hits` counts the sampled keys each
-    held when used (LRU's first); the counts halve every `period` ticks, so the comparison
-    follows the traffic, not its whole past."""
-
-    __slots__ = ("capacity", "sampled", "lru", "hits", "_period", "_halve_at")
-
-    def __init__(self, capacity: int, sampling: int, period: int) -> None:
-        sampling = max(1, min(sampling, capacity // MIN_SHADOW_KEYS))
-        self.capacity = max(1, capacity // sampling)
-        self.sampled = np.arange(int(SAMPLE_PRIME)) % sampling == 0
-        """Whether a key is sampled, by its remainder (one lookup for two remainders)."""
-        self.lru = LRUShadow()
-        self.hits = [0, 0]
-        self._period = period
-        self._halve_at = period
-
-    def picked(self, keys: np.ndarray) -> np.ndarray:
-        """Which of `keys` are sampled: a mask (no index array to make)."""
-        return self.sampled[keys % SAMPLE_PRIME]
-
-    def own_leads(self, clock: int) -> bool:
-        """Whether the policy's own shadow held at least as many sampled keys as the LRU
-        shadow, the counts halved for every period up to `clock`."""
-        while clock >= self._halve_at:
-            self.hits = [h >> 1 for h in self.hits]
-            self._halve_at += self._period
-        return self.hits[1] >= self.hits[0]
 
 
 class ClassQueuePolicy:

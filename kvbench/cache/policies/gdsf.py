@@ -40,8 +40,9 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, ShadowDuel, chain_keys, tick_entries
+from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, chain_keys, tick_entries
 from .runs import compact_runs
+from .shadows import ShadowDuel
 
 _UNIT = 1024
 """H is kept in 1/1024ths of `freq_weight = 1` (ints compare exactly)."""
@@ -99,7 +100,8 @@ class GDSFPolicy(ClassQueuePolicy):
         self._base = 0
         """The stamp of `_levels[0]`; every queued block's stamp is at least this."""
         self._prune_at = _PRUNE_SLACK
-        self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity)
+        self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,
+                                   index.tpb)
                         if params.shadow_sampling else None)
         """The LRU shadow and both shadows' counts (the GDSF shadow is `_shadow`); None:
         always GDSF."""

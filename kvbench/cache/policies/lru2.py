@@ -72,8 +72,9 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import TICK_SHIFT, KeyHistory, ShadowDuel, chain_keys, tick_entries
+from .base import TICK_SHIFT, KeyHistory, chain_keys, tick_entries
 from .runs import compact_runs
+from .shadows import ShadowDuel
 
 _LEVEL_BITS = 7
 _LEVEL_MASK = (1 << _LEVEL_BITS) - 1
@@ -115,7 +116,8 @@ class LRU2Policy:
         self.history = KeyHistory(int(params.history_ratio * capacity))
         self.use_lru2 = True
         """The order victims are taken in now (False: LRU)."""
-        self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity)
+        self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,
+                                   index.tpb)
                         if params.shadow_sampling else None)
         """The LRU shadow and both shadows' counts (the LRU-2 shadow is kept here); None:
         always LRU-2."""

@@ -42,7 +42,8 @@ import numpy as np
 
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, ShadowDuel, chain_keys, tick_entries
+from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, chain_keys, tick_entries
+from .shadows import ShadowDuel
 
 # A third shadow at 1/8 of the boost, tried on the shipped traces and on agent-like traffic,
 # gained at most 0.06 pp and slowed the replay by a fifth: the choice is all or nothing.
@@ -94,7 +95,8 @@ class PredictivePolicy(ClassQueuePolicy):
         self.boosting = True
         """Whether the pool applies the boost now (False: LRU order)."""
         # LRU order is a stamp's keys deepest first: the duel's plain LRU shadow.
-        self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity)
+        self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,
+                                   index.tpb)
                         if params.shadow_sampling else None)
         """The LRU shadow and both shadows' counts (the boosted shadow is `_shadow_boost`);
         None: always the boost."""

@@ -26,9 +26,10 @@ import numpy as np
 from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from ..radix import PrefixIndex
-from .base import KeyHistory, ShadowDuel, chain_keys, record_key, tick_entries
+from .base import KeyHistory, chain_keys, record_key, tick_entries
 from .run_queue import RunQueue
 from .segment_duel import OrderSwitch, ReleaseOrder, S3FIFOShadow, SLRUShadow, held_chain
+from .shadows import ShadowDuel
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
 """FIFO mask of the first queue (class 0) at every level."""
@@ -94,7 +95,8 @@ class _TwoQueues:
         self.queue = RunQueue(id_space, 2 * NUM_PRIORITY_LEVELS)
         self.num_second = 0
         """Blocks in the second queue."""
-        self.shadows = ShadowDuel(capacity, sampling, period) if sampling else None
+        self.shadows = (ShadowDuel(capacity, sampling, period, index.tpb) if sampling
+                        else None)
         """The LRU shadow and both shadows' counts (halved every `period` released blocks);
         None: always the policy's own order."""
         self.shadow = shadow if sampling else None

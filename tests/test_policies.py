@@ -1253,6 +1253,32 @@ def test_s3fifo_leaves_its_order_only_on_a_clear_lead():
     assert short[:3] == [250, 250, 25] and long_[:3] == [1003, 1003, 400]
 
 
+def test_s3fifo_queues_a_release_in_runs_of_one_count():
+    """A release is queued in runs of one access count, in its order: returns one count
+    higher each, and new data (count 0) between them, also where a return lies deeper than
+    new data (a claimed block written since: here its stored record replaced)."""
+    m = KVCacheManager(CacheSpec(1, 8, enable_partial_reuse=False, eviction_policy="s3fifo",
+                                 policy_params=S3FIFOParams(shadow_sampling=0)))
+    seq = m.add_sequence(req([1, 2, 3, 4, 5]))
+    assert m.resize(seq, 5)
+    m.commit(seq, 5)
+    m.release(seq)
+    policy, small = m.gpu.free_queue, 2 * 35  # the small FIFO at the release's level
+    queue = policy.queue
+
+    def counts():
+        return [(b, queue.stamp_of(b)) for b in queue.fifo_order(small)]
+    assert counts() == [(4, 0), (3, 0), (2, 0), (1, 0), (0, 0)]  # deepest first
+    policy.remove_many([4])
+    policy.push_back_many([4], 35)
+    assert counts() == [(3, 0), (2, 0), (1, 0), (0, 0), (4, 1)]
+    policy.remove_many([0, 1, 2, 3, 4])
+    m.index.stored[2] = tuple(list(m.index.stored[2]))
+    policy.push_back_many([4, 3, 2, 1, 0], 35)
+    assert counts() == [(4, 2), (3, 1), (2, 0), (1, 1), (0, 1)]
+    assert not queue.fifo_order(small + 1) and policy._check_sanity()
+
+
 @pytest.mark.parametrize("name", ["slru", "s3fifo"])
 def test_segments_requeue_as_lru_while_lru_leads(name, monkeypatch):
     """A block whose retention ends goes to the back of its new level in LRU order too. The

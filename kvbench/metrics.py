@@ -204,8 +204,9 @@ _m("ideal_hit_rate", "number", "fraction", "ideal hit rate (unlimited cache)", "
                "rules: it bounds hit_rate.")
 _m("lru_hit_rate", "number", "fraction", "LRU hit rate (same capacity)", "Reuse", _f,
    RATE_MATCH, nullable=True, pinned=True,
-   description="The same cache-mode run with LRU eviction and admission of all (the run's own "
-               "hit rate when it is LRU; null in serve mode).")
+   description="The same run with LRU eviction and admission of all (the run's own hit rate "
+               "when it is LRU): in serve mode the same served stream, null with a measured "
+               "clock.")
 _m("gap_closed", "number", "fraction", "LRU-to-optimal gap closed", "Reuse", _f,
    Rule("higher", abs_tol=RATE_EPS), nullable=True, pinned=True,
    description="(hit_rate - lru_hit_rate) / (optimal_hit_rate - lru_hit_rate); null without "

@@ -826,7 +826,8 @@ def test_variants_share_the_references_they_have_in_common(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_policies_in_serve_mode(tmp_path, name):
-    """Serve mode evicts under decode pressure and preemption through the same policy."""
+    """Serve mode evicts under decode pressure and preemption through the same policy, and
+    reports the same served stream with LRU as its reference (no optimum: no gap closed)."""
     from kvbench.config import load_workload
     from kvbench.runner import run_workload
 
@@ -834,7 +835,34 @@ def test_policies_in_serve_mode(tmp_path, name):
                        [f"cache.eviction_policy={name}", "cache.admission=second_use"])
     m = run_workload(wl)[0].metrics
     assert m["requests"] == 120 and m["evicted_blocks"] > 0
-    assert m["lru_hit_rate"] is None and m["gap_closed"] is None
+    lru = run_workload(load_workload(_workload(tmp_path, mode="serve")))[0].metrics
+    assert lru["lru_hit_rate"] == lru["hit_rate"]
+    assert m["lru_hit_rate"] == lru["hit_rate"] and m["gap_closed"] is None
+
+
+def test_serve_variants_share_their_lru_reference(tmp_path, monkeypatch):
+    """Serve-mode variants that differ only in the policy, its parameters or the
+    admission run the LRU reference once; another scheduler runs its own."""
+    import kvbench.modes.serve as serve_mode
+    from kvbench.config import load_workload
+    from kvbench.runner import run_workload
+
+    variants = [["cache.eviction_policy=slru"], ["cache.eviction_policy=gdsf"],
+                ["cache.eviction_policy=gdsf", "cache.policy.gdsf.history_ratio=2"],
+                ["cache.admission=second_use"], ["cache.eviction_policy=lru2"],
+                ["cache.eviction_policy=lru2", "scheduler.max_num_tokens=512"]]
+    path = _workload(tmp_path, mode="serve")
+    path.write_text(path.read_text() + "variants:\n" + "".join(
+        f"  - {{name: v{i}, set: {{{', '.join(s.replace('=', ': ') for s in sets)}}}}}\n"
+        for i, sets in enumerate(variants)))
+    calls = []
+    real = serve_mode._lru_hit
+    monkeypatch.setattr(serve_mode, "_lru_hit", lambda *a: calls.append(1) or real(*a))
+    shared = [o.metrics for o in run_workload(load_workload(path))]
+    assert len(calls) == 2
+    for sets, m in zip(variants, shared):
+        alone = run_workload(load_workload(_workload(tmp_path, mode="serve"), sets))[0].metrics
+        assert (m["hit_rate"], m["lru_hit_rate"]) == (alone["hit_rate"], alone["lru_hit_rate"])
 
 
 def test_requests_skip_drops_the_first_requests(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ..config import PolicyConfig, Workload
+from ..config import Workload
 from ..engine.cache_mode import replay_cache_mode
 from ..oracle import reference_hit_rates, streamed_reference_hit_rates
 from ..plan import RunPlan, block_bytes, cross_manager, draft_block_bytes, size_pools
@@ -12,7 +12,8 @@ from ..results import RunOutcome
 from ..traffic import Request
 from ..traffic.spill import SpilledTrace
 from .common import (ProgressFactory, StreamReferences, cache_metrics, draft_plane_metrics,
-                     ideal_reference, once, open_data_plane, outcome, phase)
+                     ideal_reference, is_lru, lru_workload, once, open_data_plane, outcome,
+                     phase)
 
 LRU_UNREAD = frozenset({"name", "hardware", "scheduler", "variants", "tune"})
 """Workload sections a cache-mode replay never reads (the hardware and the scheduler are the
@@ -44,7 +45,7 @@ def run_cache(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
     ideal, optimal = _offline_references(plan, requests, references)
     done(1)
     hit = result.reused_tokens / result.prompt_tokens
-    lru = hit if _is_lru(wl) else _lru_reference(wl, requests, references)
+    lru = hit if is_lru(wl) else _lru_reference(wl, requests, references)
     wall = time.perf_counter() - t0
     metrics = {
         **cache_metrics(wl, manager, requests, result.reused_tokens, result.reused_tokens_host,
@@ -72,10 +73,6 @@ def run_cache(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
     return outcome(name, wl, metrics, result.timeline.to_json())
 
 
-def _is_lru(wl: Workload) -> bool:
-    return wl.cache.eviction_policy == "lru" and wl.cache.admission == "all"
-
-
 def _offline_references(plan: RunPlan, requests: list[Request] | SpilledTrace,
                         references: StreamReferences | None) -> tuple[float, float | None]:
     """The ideal and optimal hit rates, kept under what the oracle reads: the block size,
@@ -96,12 +93,9 @@ def _offline_references(plan: RunPlan, requests: list[Request] | SpilledTrace,
 
 def _lru_reference(wl: Workload, requests: list[Request] | SpilledTrace,
                    references: StreamReferences | None) -> float:
-    """The hit rate of the same cache-mode run with LRU eviction and admission of all
-    (TensorRT-LLM's behaviour), the reference `gap_closed` is measured from; the policies'
-    parameters at their defaults, as LRU reads none of them. Kept under the rest of the
-    workload but `LRU_UNREAD`."""
-    lru = wl.model_copy(update={"cache": wl.cache.model_copy(
-        update={"eviction_policy": "lru", "admission": "all", "policy": PolicyConfig()})})
+    """The hit rate of the same cache-mode run with LRU (`lru_workload`), the reference
+    `gap_closed` is measured from. Kept under the rest of the workload but `LRU_UNREAD`."""
+    lru = lru_workload(wl)
     return once(references, ("lru", lru.model_dump_json(exclude=LRU_UNREAD)),
                 lambda: _lru_hit(lru, requests))
 

@@ -11,6 +11,7 @@ from typing import TypeVar
 from ..cache.manager import CacheSpec, KVCacheManager
 from ..cache.protocol import CacheManager
 from ..cache.windows import WindowedCacheManager
+from ..config import PolicyConfig
 from ..errors import InputError
 from ..metrics import unregistered
 from ..oracle import reference_hit_rates, streamed_reference_hit_rates
@@ -193,6 +194,25 @@ def open_measured_plane(plan: RunPlan):
     return open_data_plane(plan, backend="flashinfer", engine=engine)
 
 
+def prompt_tokens(requests: list[Request] | SpilledTrace) -> int:
+    """The prompt tokens of a run's requests (`hit_rate`'s denominator)."""
+    return (requests.prompt_tokens if isinstance(requests, SpilledTrace)
+            else sum(r.input_length for r in requests))
+
+
+def is_lru(wl: Workload) -> bool:
+    """Whether the workload runs as the engines do: LRU eviction, every block admitted."""
+    return wl.cache.eviction_policy == "lru" and wl.cache.admission == "all"
+
+
+def lru_workload(wl: Workload) -> Workload:
+    """The workload with LRU eviction and admission of all (TensorRT-LLM's behaviour), the
+    reference `lru_hit_rate` runs; the policies' parameters at their defaults, as LRU reads
+    none of them."""
+    return wl.model_copy(update={"cache": wl.cache.model_copy(
+        update={"eviction_policy": "lru", "admission": "all", "policy": PolicyConfig()})})
+
+
 def cache_metrics(
     wl: Workload, manager: CacheManager, requests: list[Request] | SpilledTrace,
     reused: int, reused_host: int, reused_partial: int,
@@ -200,8 +220,7 @@ def cache_metrics(
     """Reuse, memory and host-traffic metrics of a run in either mode, with one pool or one
     per attention life cycle. Host-link time is modeled: bytes at the figure the serve clock
     uses (`plan.host_link_ms`)."""
-    prompt = (requests.prompt_tokens if isinstance(requests, SpilledTrace)
-              else sum(r.input_length for r in requests))
+    prompt = prompt_tokens(requests)
     onboard_bytes, offload_bytes = manager.moved_bytes(block_bytes(wl))
     return {
         "requests": len(requests),

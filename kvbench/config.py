@@ -291,8 +291,8 @@ class CacheConfig(Section):
 
     eviction_policy: Literal["lru", "slru", "s3fifo", "gdsf", "predictive", "lru2"] = Field(
         "lru",
-        description="Order of free cached GPU blocks inside a retention priority level:"
-        " lru (TensorRT-LLM), slru, s3fifo, gdsf, predictive, lru2.",
+        description="Order of free cached GPU blocks inside a retention priority level: lru"
+        " (TensorRT-LLM), slru, s3fifo, gdsf, predictive, lru2 (window pools: lru).",
     )
     policy: PolicyConfig = Field(
         default_factory=PolicyConfig, description="Parameters of the eviction policies."

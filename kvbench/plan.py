@@ -185,13 +185,18 @@ def cache_spec(workload: Workload, *, emit_copy_ops: bool = False) -> CacheSpec:
     return pool_spec(workload, gpu_blocks, emit_copy_ops)
 
 
-def pool_spec(workload: Workload, gpu_blocks: int, emit_copy_ops: bool) -> CacheSpec:
+def pool_spec(workload: Workload, gpu_blocks: int, emit_copy_ops: bool,
+              window: bool = False) -> CacheSpec:
     """The spec of one pool of `gpu_blocks` GPU blocks: the workload's policy and reuse
-    rules, a host tier of `cache.host_offload_ratio` of its GPU blocks."""
+    rules, a host tier of `cache.host_offload_ratio` of its GPU blocks. A sliding `window`'s
+    pool evicts LRU: the policies rank a release as a prefix chain, where a window block is
+    useful with the blocks of its window alone, and with `swa_scratch_reuse` a window pool's
+    release is only those (`workloads/swa-scratch.yaml`, variant `scratch`: `lru2` in the
+    window pools 23 pp under LRU)."""
     c = workload.cache
     return CacheSpec(
-        eviction_policy=c.eviction_policy,
-        policy_params=policy_params(workload),
+        eviction_policy="lru" if window else c.eviction_policy,
+        policy_params=None if window else policy_params(workload),
         admission=c.admission,
         tokens_per_block=c.tokens_per_block,
         num_gpu_blocks=gpu_blocks,
@@ -291,7 +296,8 @@ def _windowed_specs(wl: Workload, requests: list[Request] | SpilledTrace, *,
             f"the cache holds {c.max_tokens * m.num_layers * per_layer}; raise "
             f"cache.max_tokens to at least {-(-need // (m.num_layers * per_layer))}"
         ) from None
-    specs = [pool_spec(wl, n, emit_copy_ops) for n in blocks]
+    specs = [pool_spec(wl, n, emit_copy_ops, cyc.window is not None)
+             for cyc, n in zip(held, blocks)]
     t = len(cycles)
     return cycles, specs[:t], (draft_cycles if d else None), specs[t:]
 

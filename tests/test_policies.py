@@ -759,6 +759,26 @@ def test_lru_is_the_plain_free_queue():
     assert type(m.gpu.free_queue) is FreeQueue and m._admission is None
 
 
+@pytest.mark.parametrize("name", ["slru", "s3fifo", "lru2"])
+def test_window_pools_evict_lru(tmp_path, name):
+    """A sliding window's pool evicts LRU whatever the policy (it ranks a release as a
+    prefix chain; a window block is useful with its window alone), the full-attention pool
+    by the policy; admission applies to both."""
+    from kvbench.cache.free_queue import FreeQueue
+    from kvbench.config import load_workload
+    from kvbench.plan import size_pools
+    from kvbench.runner import load_workload_requests
+
+    wl = load_workload(_workload(tmp_path), [
+        f"cache.eviction_policy={name}", "cache.admission=second_use",
+        "model.attention_window=[256, null]", "model.num_layers=4",
+        "cache.swa_scratch_reuse=true"])
+    manager = size_pools(wl, load_workload_requests(wl)).manager()
+    windows = [type(m.gpu.free_queue) is FreeQueue for m in manager.managers]
+    assert windows == [c.window is not None for c in manager.cycles] == [False, True]
+    assert all(m.spec.admission == "second_use" for m in manager.managers)
+
+
 def _workload(tmp_path, extra: str = "", mode: str = "cache"):
     path = tmp_path / "w.yaml"
     path.write_text(f"""

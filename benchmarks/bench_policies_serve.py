@@ -8,12 +8,12 @@ Usage: python benchmarks/bench_policies_serve.py [--traces conversation,syntheti
 Runs `workloads/mooncake-conversation-serve.yaml` (a modeled H100, Llama-3-8B shape, continuous
 batching of up to 256 sequences, chunked prefill) on each trace (`conversation`, `synthetic`:
 the shipped Mooncake traces; any other name a trace file, format sniffed) at each capacity and
-`requests.time_scale` (below 1 compresses arrivals: more load), once per policy. Prints per
-run the hit rate, LRU's on the same settings (`lru_hit_rate`), the difference in points, the preemptions and
-the peak share of the pool in use: under load, sequences hold much of the pool, so the cache
-is what is left, and its size swings with the load. Serve mode has no offline optimum, so there
-is no gap closed. The issue-15 bar (no policy more than 0.5 pp under LRU) is met in cache mode
-(`bench_policies.py`); the README says where serve mode misses it.
+`requests.time_scale` (below 1 compresses arrivals: more load), once per policy. Prints per run
+the hit rate, LRU's on the same settings (`lru_hit_rate`), the difference in points, the
+preemptions and the peak share of the pool in use: under load, sequences hold much of the pool,
+so the cache is what is left, and its size swings with the load. Serve mode has no offline
+optimum, so there is no gap closed. The issue-15 bar (no policy more than 0.5 pp under LRU) is
+met in cache mode (`bench_policies.py`); the README says where serve mode misses it.
 """
 
 from __future__ import annotations

@@ -232,11 +232,12 @@ def check_cross_fits(wl: Workload, requests: list[Request]) -> bool:
     return longest > 0
 
 
-def cross_manager(wl: Workload, requests: list[Request]) -> KVCacheManager | None:
-    """The cross-attention cache for requests' encoder inputs (None when none has one):
-    shared by a sequence's beams, never grown, no host tier; it emits copy ops for the data
-    plane's cross pool when there is one."""
-    if not check_cross_fits(wl, requests):
+def cross_manager(wl: Workload, requests: list[Request] | SpilledTrace
+                  ) -> KVCacheManager | None:
+    """The cross-attention cache for requests' encoder inputs (None when none has one, as
+    a streamed trace never has): shared by a sequence's beams, never grown, no host tier; it
+    emits copy ops for the data plane's cross pool when there is one."""
+    if isinstance(requests, SpilledTrace) or not check_cross_fits(wl, requests):
         return None
     c = wl.cache
     tpb, blocks = c.tokens_per_block, cross_blocks(wl)

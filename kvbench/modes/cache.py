@@ -31,8 +31,7 @@ def run_cache(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
     not read (the eviction policy, its parameters, the admission, the hardware) compute it
     once."""
     wl = plan.workload
-    streamed = isinstance(requests, SpilledTrace)
-    cross = None if streamed else cross_manager(wl, requests)
+    cross = cross_manager(wl, requests)
     plane = open_data_plane(plan, cross=cross)
     draft = wl.speculative.draft_model is not None
     draft_plane = open_data_plane(plan, draft=True) if draft else None
@@ -103,7 +102,7 @@ def _lru_reference(wl: Workload, requests: list[Request] | SpilledTrace,
 def _lru_hit(lru: Workload, requests: list[Request] | SpilledTrace) -> float:
     """The hit rate of the cache-mode run of workload `lru`."""
     manager = size_pools(lru, requests).manager()
-    cross = None if isinstance(requests, SpilledTrace) else cross_manager(lru, requests)
+    cross = cross_manager(lru, requests)
     result = replay_cache_mode(requests, manager, cross=cross)
     return result.reused_tokens / result.prompt_tokens
 

@@ -38,8 +38,7 @@ def run_serve(name: str, plan: RunPlan, requests: list[Request] | SpilledTrace,
     stream (`modes.cache.run_cache`): the ideal, and with another policy than LRU the same
     served stream with LRU."""
     wl = plan.workload
-    streamed = isinstance(requests, SpilledTrace)
-    cross = None if streamed else cross_manager(wl, requests)
+    cross = cross_manager(wl, requests)
     clock = serve_clock(wl)
     if wl.run.clock == "measured":
         plane = open_measured_plane(plan)
@@ -109,7 +108,7 @@ def _lru_reference(wl: Workload, requests: list[Request] | SpilledTrace,
 def _lru_hit(lru: Workload, requests: list[Request] | SpilledTrace) -> float:
     """The hit rate of the modeled serve run of workload `lru`."""
     plan = size_pools(lru, requests)
-    cross = None if isinstance(requests, SpilledTrace) else cross_manager(lru, requests)
+    cross = cross_manager(lru, requests)
     result, _ = _serve(plan, plan.manager(), requests, serve_clock(lru), cross=cross)
     return result.finished.reused_tokens / prompt_tokens(requests)
 

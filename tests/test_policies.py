@@ -60,6 +60,25 @@ class _Ref:
                 del hist[k]
 
 
+class _RefDuel:
+    """The duel's choice by its definition: both shadows' hits counted in a window halved
+    every `period` ticks and in one halved every `LONG_WINDOW` periods; the own order while
+    its shadow held at least as many in both."""
+
+    def __init__(self, period):
+        self.periods = [period, shadows.LONG_WINDOW * period]
+        self.halve_at = list(self.periods)
+        self.counts = [[0, 0], [0, 0]]
+
+    def choose(self, lru, own, clock):
+        for i, period in enumerate(self.periods):
+            self.counts[i] = [self.counts[i][0] + lru, self.counts[i][1] + own]
+            while clock >= self.halve_at[i]:
+                self.counts[i] = [h // 2 for h in self.counts[i]]
+                self.halve_at[i] += period
+        return all(own >= lru for lru, own in self.counts)
+
+
 class RefScored(_Ref):
     """Predictive and GDSF: victim = min (level, score, class, push order)."""
 
@@ -81,8 +100,7 @@ class RefScored(_Ref):
             # LRU order and the boosted one: key -> (stamp, class, order)
             self.shadows = [{}, {}]
             self.s_order = 0
-            self.hits = [0, 0]
-            self.halve_at = self.hcap
+            self.duel = _RefDuel(self.hcap)
             self.boosting = True
             self.bkey = None
         else:
@@ -91,8 +109,7 @@ class RefScored(_Ref):
             self.s_lru: list = []  # LRU shadow, least recent first
             self.s_gdsf: dict = {}  # key -> (H, class, insertion order)
             self.s_L = self.s_order = 0
-            self.hits = [0, 0]
-            self.halve_at = self.hcap
+            self.duel = _RefDuel(self.hcap)
             self.boosting = True  # GDSF order (False: LRU)
             self.bkey = None
 
@@ -133,8 +150,8 @@ class RefScored(_Ref):
         over capacity, L the H of its last victim; GDSF order while it held at least as many."""
         sampled = [(self.key(b), c) for b, c in zip(blocks, classes)
                    if self.bkey(self.key(b)) % 65521 % self.sampling == 0]
-        self.hits[0] += sum(k in self.s_lru for k, _ in sampled)
-        self.hits[1] += sum(k in self.s_gdsf for k, _ in sampled)
+        held = [sum(k in self.s_lru for k, _ in sampled),
+                sum(k in self.s_gdsf for k, _ in sampled)]
         shadow = self.s_gdsf
         for k, c in sampled:
             if k in self.s_lru:
@@ -146,10 +163,7 @@ class RefScored(_Ref):
         while len(shadow) > self.scap:
             k = min(shadow, key=shadow.__getitem__)
             self.s_L = max(self.s_L, shadow.pop(k)[0])
-        while self.clock >= self.halve_at:
-            self.hits = [h // 2 for h in self.hits]
-            self.halve_at += self.hcap
-        self.boosting = self.hits[1] >= self.hits[0]
+        self.boosting = self.duel.choose(*held, self.clock)
 
     def _shadows(self, blocks, classes, stamp, full):
         """The LRU and the boosted shadow: sampled keys inserted deepest first, then the
@@ -157,8 +171,9 @@ class RefScored(_Ref):
         0 in the LRU one; the boost applies while its shadow held at least as many."""
         sampled = [(self.key(b), c) for b, c in zip(blocks, classes)
                    if self.bkey(self.key(b)) % 65521 % self.sampling == 0]
-        for i, (share, shadow) in enumerate(zip((0, 1), self.shadows)):
-            self.hits[i] += sum(k in shadow for k, _ in sampled)
+        held = []
+        for share, shadow in zip((0, 1), self.shadows):
+            held.append(sum(k in shadow for k, _ in sampled))
             for k, c in sampled:
                 self.s_order += 1
                 shadow[k] = (stamp, c, self.s_order)
@@ -166,10 +181,7 @@ class RefScored(_Ref):
             while len(shadow) > self.scap:
                 del shadow[min(shadow, key=lambda k: (shadow[k][0] + shift[shadow[k][1]],
                                                       shadow[k][1], shadow[k][2]))]
-        while self.clock >= self.halve_at:
-            self.hits = [h // 2 for h in self.hits]
-            self.halve_at += self.hcap
-        self.boosting = self.hits[1] >= self.hits[0]
+        self.boosting = self.duel.choose(*held, self.clock)
 
     def score(self, s):
         if self.name == "predictive":
@@ -298,8 +310,7 @@ class RefLRU2(_Ref):
         self.s_lru: list = []
         self.s_lru2: dict = {}
         self.s_order = 0
-        self.hits = [0, 0]
-        self.halve_at = self.hcap
+        self.duel = _RefDuel(self.hcap)
         self.use_lru2 = True
         self.bkey = None
 
@@ -312,24 +323,22 @@ class RefLRU2(_Ref):
             self.hist[k] = (self.clock,)
         self._prune(self.hist, self.clock, self.hcap)
         if self.sampling:
+            held = [0, 0]
             for b, r in zip(blocks, reversed(ranks)):  # deepest first
                 k = self.key(b)
                 if self.bkey(k) % 65521 % self.sampling:
                     continue
                 if k in self.s_lru:
-                    self.hits[0] += 1
+                    held[0] += 1
                     self.s_lru.remove(k)
                 self.s_lru.append(k)
-                self.hits[1] += k in self.s_lru2
+                held[1] += k in self.s_lru2
                 self.s_order += 1
                 self.s_lru2[k] = (r, self.s_order)
             del self.s_lru[:max(0, len(self.s_lru) - self.scap)]
             while len(self.s_lru2) > self.scap:
                 del self.s_lru2[min(self.s_lru2, key=self.s_lru2.__getitem__)]
-            while self.clock >= self.halve_at:
-                self.hits = [h // 2 for h in self.hits]
-                self.halve_at += self.hcap
-            self.use_lru2 = self.hits[1] >= self.hits[0]
+            self.use_lru2 = self.duel.choose(*held, self.clock)
         for b, r in zip(blocks, reversed(ranks)):
             self._push(b, level, rank=r)
 
@@ -495,16 +504,14 @@ def policy_scenarios(draw, name):
 
 
 def _force_order(monkeypatch, choose) -> None:
-    """Every duel takes the order `choose()` gives (True: the policy's own): SLRU's and the
-    other policies' (`ShadowDuel.own_leads`) and S3-FIFO's (`OrderSwitch.own_order`, whose
-    counting still runs)."""
-    real = segment_duel.OrderSwitch.own_order
+    """Every duel takes the order `choose()` gives (True: the policy's own; its counting
+    still runs)."""
+    real = shadows.ShadowDuel.own_order
 
     def own_order(self, *args):
         real(self, *args)  # its counts move as in a run; the choice is forced
         return choose()
-    monkeypatch.setattr(shadows.ShadowDuel, "own_leads", lambda self, clock: choose())
-    monkeypatch.setattr(segment_duel.OrderSwitch, "own_order", own_order)
+    monkeypatch.setattr(shadows.ShadowDuel, "own_order", own_order)
 
 
 @pytest.mark.parametrize("backing", ["dict", "table"])
@@ -1101,18 +1108,27 @@ def test_predictive_shadow_matches_brute_force(releases, cap, compact):
         assert list(zero.live) and set(zero.live) == set(lru.keys)
 
 
-def test_shadow_duel_halves_counts_each_period_and_favours_the_policy_on_a_tie():
-    """The counts halve once per period passed (several at once after a long release), and
-    the policy's own order leads while its count is at least LRU's."""
+def test_shadow_duel_counts_two_windows_and_favours_the_policy_on_a_tie():
+    """Each release's counts add to both windows; the first halves once per period passed
+    (several at once after a long release), the long one every LONG_WINDOW periods. The
+    policy's own order leads while its count is at least LRU's in both (margins 0: the same
+    rule whichever order was taken)."""
     duel = shadows.ShadowDuel(capacity=80 * 1024, sampling=8, period=100, tokens_per_block=64)
     assert duel.capacity == 10 * 1024 and duel.sampled.sum() == -(-65521 // 8)
-    assert duel.own_leads(0)  # 0 against 0
-    duel.hits = [9, 8]
-    assert not duel.own_leads(99) and duel.hits == [9, 8]
-    assert duel.own_leads(100) and duel.hits == [4, 4]  # a tie after halving
-    duel.hits = [40, 7]
-    assert not duel.own_leads(350) and duel.hits == [10, 1]  # periods at 200 and 300
-    assert not duel.own_leads(400) and duel.hits == [5, 0]
+    short, long_ = duel.windows
+    assert duel.own_order(True, 0, 0, 0)  # 0 against 0
+    assert not duel.own_order(True, 9, 8, 99) and short[:2] == long_[:2] == [9, 8]
+    assert duel.own_order(False, 0, 1, 100)  # a tie in both
+    assert short[:2] == [4, 4] and long_[:2] == [9, 9]  # the first halved
+    assert not duel.own_order(True, 40, 7, 350)
+    assert short[:2] == [11, 2] and long_[:2] == [49, 16]  # periods at 200 and 300
+    assert not duel.own_order(False, 0, 0, 400) and short[:2] == [5, 1]
+    # A lead of the own order in the first window alone is not enough.
+    assert not duel.own_order(False, 0, 20, 450) and short[:2] == [5, 21]
+    assert long_[:2] == [49, 36]
+    # 28 halvings of the first window, the long one's first at 32 periods.
+    assert duel.own_order(False, 0, 13, 3200)
+    assert short[:2] == [0, 0] and long_[:2] == [24, 24] and long_[4] == 6400
 
 
 def test_shadow_duel_samples_fewer_keys_where_the_pool_is_small():
@@ -1168,14 +1184,14 @@ def test_gdsf_in_lru_order_evicts_as_lru(scenario, partial):
     free queue: the same victims in the same order and the same hits, at every retention
     level, with or without partial reuse (claims undone, blocks taken in part)."""
     requests, tpb, blocks, params = scenario
-    saved = shadows.ShadowDuel.own_leads
-    shadows.ShadowDuel.own_leads = lambda self, clock: False
+    saved = shadows.ShadowDuel.own_order
+    shadows.ShadowDuel.own_order = lambda self, *args: False
     try:
         assert (_victims_and_hits("gdsf", dataclasses.replace(params, shadow_sampling=1),
                                   requests, tpb, blocks, partial)
                 == _victims_and_hits("lru", None, requests, tpb, blocks, partial))
     finally:
-        shadows.ShadowDuel.own_leads = saved
+        shadows.ShadowDuel.own_order = saved
 
 
 @st.composite
@@ -1255,27 +1271,28 @@ def test_segments_evict_exactly_as_lru_while_lru_leads(name, slack, monkeypatch)
 
 
 def test_s3fifo_leaves_its_order_only_on_a_clear_lead():
-    """S3-FIFO goes over to LRU only when LRU's shadow leads by more than SWITCH_MARGIN
-    standard deviations of the difference over the duel's window, or by more than
-    LONG_MARGIN over the long window, and comes back once its own holds at least as many in
-    both (SLRU: any lead of the duel's counts, both ways). The deviation comes from each
+    """S3-FIFO goes over to LRU only when LRU's shadow leads by more than its SWITCH_MARGINS
+    in standard deviations of the difference, 2 over the duel's window or 1 over the long
+    one, and comes back once its own holds at least as many in both (SLRU: any lead of the
+    duel's counts, both ways). The deviation comes from each
     release's difference: hits held by both shadows cancel, and a run of hits at once (a
     shared prefix) counts as one draw."""
     index = KVCacheManager(CacheSpec(4, 4096)).index
     policy = S3FIFOPolicy(4096, 4096, index, POLICIES["s3fifo"][1]())
-    assert SLRUPolicy(4096, 4096, index, POLICIES["slru"][1]()).switch is None
-    switch = policy.switch
+    assert SLRUPolicy(4096, 4096, index, POLICIES["slru"][1]()).shadows.margins == (0, 0)
+    switch = policy.shadows
     short, long_ = switch.windows
-    margin = S3FIFOPolicy.SWITCH_MARGIN
-    steps = [([100, 90, 100], [0, 0, 0], True),  # LRU leads by 10 < 3 sqrt(100)
-             ([200, 100, 900], [0, 0, 0], False),  # by 100 > 3 sqrt(900)
+    margin = S3FIFOPolicy.SWITCH_MARGINS
+    assert margin == (2, 1)
+    steps = [([100, 90, 100], [0, 0, 0], True),  # LRU leads by 10 < 2 sqrt(100)
+             ([200, 100, 900], [0, 0, 0], False),  # by 100 > 2 sqrt(900)
              ([120, 110, 100], [0, 0, 0], False),  # still LRU: its lead is not undone
              ([110, 110, 0], [0, 0, 0], True),  # own order back on a tie
-             # The long window: LRU leads by 100 > 2 sqrt(1600) there, 5 < 3 sqrt(400) here
-             ([100, 95, 400], [1000, 900, 1600], False),
-             ([100, 100, 0], [1000, 900, 1600], False),  # a tie here is not enough
+             # The long window: LRU leads by 50 > 1 sqrt(1600) there, 5 < 2 sqrt(400) here
+             ([100, 95, 400], [1000, 950, 1600], False),
+             ([100, 100, 0], [1000, 950, 1600], False),  # a tie here is not enough
              ([100, 100, 0], [1000, 1000, 0], True),  # a tie in both is
-             ([100, 100, 0], [1000, 920, 1600], True)]  # 80 = 2 sqrt(1600): stays
+             ([100, 100, 0], [1000, 960, 1600], True)]  # 40 = 1 sqrt(1600): stays
     for duel_window, long_window, own in steps:
         short[:3], long_[:3] = duel_window, long_window
         policy._duel([], None, 0)
@@ -1289,12 +1306,12 @@ def test_s3fifo_leaves_its_order_only_on_a_clear_lead():
     for w in switch.windows:
         w[:3] = [0, 0, 0]
     chosen = [switch.own_order(True, 1, 0, 0) for _ in range(300)]
-    assert chosen[0] and not chosen[-1]  # 1 < 3 sqrt(1); 300 > 3 sqrt(300)
+    assert chosen[0] and not chosen[-1]  # 1 < 2 sqrt(1); 300 > 2 sqrt(300)
     assert short[:3] == [300, 0, 300]
     # Each window halves its counts (and quarters the sum of squares) every its period: the
     # duel's, and LONG_WINDOW of them.
     period = 8 * 4096
-    assert (short[3], long_[3]) == (period, segment_duel.LONG_WINDOW * period)
+    assert (short[3], long_[3]) == (period, shadows.LONG_WINDOW * period)
     for w in switch.windows:
         w[:3], w[4] = [1000, 1000, 400], w[3]
     switch.own_order(False, 3, 3, 2 * period)

@@ -20,9 +20,9 @@ and `predictive` choose their order, the policy runs miniature simulations (Wald
 USENIX ATC'17): one key in `shadow_sampling` (by a hash; fewer in a small pool: `ShadowDuel`)
 is replayed against two shadow caches of the pool's size scaled by that rate, one in LRU order
 and one running GDSF on the keys (its own `L`). Each counts the sampled keys it held when used;
-the counts halve every history period (`history_ratio` pool sizes of released blocks), and the
-pool evicts in GDSF order while its shadow holds at least as many as the LRU one, in LRU order
-otherwise (`gdsf_order`). Both shadows are kept up to date, so switching is immediate.
+the counts halve every history period (`history_ratio` pool sizes of released blocks), a
+second pair every 32 periods, and the pool evicts in GDSF order while its shadow holds at least
+as many as the LRU one in both, in LRU order otherwise (`gdsf_order`). Both shadows are kept up to date, so switching is immediate.
 `shadow_sampling: 0` is the published algorithm alone.
 """
 
@@ -122,12 +122,13 @@ class GDSFPolicy(ClassQueuePolicy):
         duel = self.shadows
         if duel:
             picked = duel.picked(keys)
+            lru = own = 0
             if np.count_nonzero(picked):  # deepest first, as the pool's pushes
                 sampled = keys[picked][::-1].tolist()
                 cap = duel.capacity
-                duel.hits[0] += duel.lru.replay(sampled, cap)
-                duel.hits[1] += self._shadow.replay(sampled, caps[picked][::-1].tolist(), cap)
-            self.gdsf_order = duel.own_leads(hist.clock)
+                lru = duel.lru.replay(sampled, cap)
+                own = self._shadow.replay(sampled, caps[picked][::-1].tolist(), cap)
+            self.gdsf_order = duel.own_order(self.gdsf_order, lru, own, hist.clock)
         return self._cuts(caps, top, partial), self._now()
 
     def _now(self) -> int:

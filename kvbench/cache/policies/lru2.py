@@ -17,8 +17,8 @@ by a hash (one in `shadow_sampling`, fewer in a small pool: `ShadowDuel`), and t
 of every release are replayed against two shadow caches of the pool's size scaled by the same
 rate, one LRU and one LRU-2. Each counts the sampled keys it already held; the counts halve
 every history period (`history_ratio` pool sizes of released blocks, the span uses are
-remembered for), and the real pool evicts in the order whose shadow holds more (LRU-2 on a
-tie). Both orders are kept up to date, so switching is immediate. The shadows see keys, not
+remembered for), a second pair every 32 periods, and the real pool evicts in LRU-2 order
+while its shadow holds at least as many in both, in LRU order otherwise. Both orders are kept up to date, so switching is immediate. The shadows see keys, not
 chains (a sampled key can hit there after its parent left): an estimate of each order's hit
 rate, not a replay.
 
@@ -185,9 +185,9 @@ class LRU2Policy:
             deep = known[::-1]  # deepest first, as the pool's pushes
             picked = duel.picked(deep)
             keys = deep[picked].tolist()
-            if keys:
-                self._shadow(duel, keys, ranks[partial:][picked].tolist())
-            self.use_lru2 = duel.own_leads(hist.clock)
+            lru, own = (self._shadow(duel, keys, ranks[partial:][picked].tolist()) if keys
+                        else (0, 0))
+            self.use_lru2 = duel.own_order(self.use_lru2, lru, own, hist.clock)
         self._push_ranked(blocks, ranks, priority)
 
     def push_back(self, block: BlockId, priority: int) -> None:
@@ -380,13 +380,13 @@ class LRU2Policy:
         self._nonempty &= ~(1 << lv)
         self._fifo_off &= ~(1 << lv)  # an empty FIFO is exact
 
-    def _shadow(self, duel: ShadowDuel, keys: list, ranks: list[int]) -> None:
+    def _shadow(self, duel: ShadowDuel, keys: list, ranks: list[int]) -> tuple[int, int]:
         """Replay a release's sampled keys with their ranks (deepest first, as the pool's
-        pushes) against both shadows, trimming each to its capacity after the release."""
-        hits = duel.hits
+        pushes) against both shadows, trimming each to its capacity after the release;
+        returns how many each held (LRU's first)."""
         lru2 = self._shadow_lru2
         cap = duel.capacity
-        hits[0] += duel.lru.replay(keys, cap)
+        lru_held = duel.lru.replay(keys, cap)
         # LRU-2: entries in (rank, insertion order); a key used again has a new live entry
         # (its old one goes stale), so the keys it held already are those it does not add.
         n = len(keys)
@@ -394,7 +394,7 @@ class LRU2Policy:
         order = self._shadow_order
         self._shadow_order = order + n
         lru2.update(zip(keys, range(order + 1, order + n + 1)))
-        hits[1] += before + n - len(lru2)
+        own_held = before + n - len(lru2)
         heap = self._shadow_runs
         i = 0
         while i < n:  # runs of one rank (ranks do not decrease)
@@ -424,6 +424,7 @@ class LRU2Policy:
         self._in_shadow_runs = entries
         if entries > 4 * len(lru2) + 256:
             self._compact_shadow()
+        return lru_held, own_held
 
     def _compact_shadow(self) -> None:
         """Drop the stale keys of the LRU-2 shadow's runs (heap keys stay, as the pool's)."""

@@ -22,8 +22,8 @@ simulations (Waldspurger et al., USENIX ATC'17): one key in `shadow_sampling` (b
 in a small pool: `ShadowDuel`) is replayed against two shadow caches of the pool's size scaled
 by that rate, one in LRU order and one in this policy's order with the whole boost. Each counts
 the sampled keys it held when used; the counts halve every history period (`history_ratio` pool
-sizes of released blocks), and the pool applies the boost while its shadow holds at least as
-many as the LRU one, LRU order otherwise (`boosting`). Both shadows are kept up to date, so
+sizes of released blocks), a second pair every 32 periods, and the pool applies the boost while
+its shadow holds at least as many as the LRU one in both, LRU order otherwise (`boosting`). Both shadows are kept up to date, so
 switching is immediate.
 
 Prefix trees: a block's class is capped at its parent's (from the same release) and `p` is
@@ -150,9 +150,10 @@ class PredictivePolicy(ClassQueuePolicy):
     def _replay(self, duel: ShadowDuel, keys: np.ndarray, caps: np.ndarray, stamp: int,
                 boosted: list[int]) -> None:
         """Replay a release's sampled keys (`keys` shallowest first, `caps` their capped
-        classes) against the LRU and the boosted shadow; halve the counts every history
-        period and apply the boost while its shadow held at least as many."""
+        classes) against the LRU and the boosted shadow, and apply the boost while the duel
+        chooses it (`ShadowDuel.own_order`)."""
         picked = duel.picked(keys)
+        lru = own = 0
         if np.count_nonzero(picked):
             sampled = keys[picked][::-1].tolist()  # deepest first, as the pool's pushes
             caps = caps[picked]
@@ -164,11 +165,10 @@ class PredictivePolicy(ClassQueuePolicy):
                 if k:
                     runs.append((c, at, at + k))
                     at += k
-            hits = duel.hits
             cap = duel.capacity
-            hits[0] += duel.lru.replay(sampled, cap)
-            hits[1] += self._shadow_boost.replay(sampled, runs, stamp, boosted, cap)
-        self.boosting = duel.own_leads(self.history.clock)
+            lru = duel.lru.replay(sampled, cap)
+            own = self._shadow_boost.replay(sampled, runs, stamp, boosted, cap)
+        self.boosting = duel.own_order(self.boosting, lru, own, self.history.clock)
 
     def _now(self) -> int:
         return self.history.clock

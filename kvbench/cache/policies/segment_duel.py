@@ -26,13 +26,6 @@ from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId
 from .run_queue import RunQueue
 
-LONG_WINDOW = 32
-"""S3-FIFO's second pair of counts halves this many times less often than the duel's (every
-256 pool sizes of released blocks)."""
-LONG_MARGIN = 2.0
-"""How far LRU's shadow must lead in the long window, in standard deviations of the
-difference there, for S3-FIFO to leave its order (`OrderSwitch`)."""
-
 _SLACK = 256
 """Entries `ReleaseOrder` may hold beyond four times the queued blocks before it compacts or
 drops them (amortised O(1) per pushed block)."""
@@ -180,51 +173,6 @@ def held_chain(held: list) -> int:
         return held[::-1].index(False)
     except ValueError:
         return len(held)
-
-
-class OrderSwitch:
-    """When S3-FIFO leaves its order for LRU's, and comes back. A switch costs S3-FIFO what
-    its main FIFO had learnt (an LRU phase evicts it, and a ghost history of one pool size
-    relearns it), so it leaves only on a clear lead of LRU's shadow: by more than `margin`
-    standard deviations over the duel's window (counts halved every `period` ticks), or by
-    more than `LONG_MARGIN` over a window `LONG_WINDOW` times as long, which sees a small lead
-    that lasts (agent-like traffic at 512K and 1M tokens: LRU's shadow led by up to 3 % of its
-    hits all along, and S3-FIFO lost 1.2 and 0.7 points to LRU). It comes back when its own
-    shadow holds at least as many in both windows.
-
-    The deviation is that of the difference, from each release's own difference: hits come in
-    runs (a shared prefix's at once), and most are held by both shadows. Counts taken as
-    Poisson (sigma ~ sqrt(LRU's + own's)) saw one 288-key prefix held by LRU's shadow alone as
-    a 6.5-sigma lead: the synthetic trace at tokens_per_block 16 and 1M tokens then went over
-    to LRU early and ended at 14.22 %, against 15.35 % for LRU and 15.87 % for S3-FIFO alone."""
-
-    __slots__ = ("margin", "windows")
-
-    def __init__(self, margin: float, period: int) -> None:
-        self.margin = margin
-        self.windows = [[0, 0, 0, p, p] for p in (period, LONG_WINDOW * period)]
-        """Per window: LRU's shadow hits, the own order's, the sum of squares of each
-        release's difference (the variance of the difference: hits come in runs, a shared
-        prefix at once), the halving period and the next halving."""
-
-    def own_order(self, use_own: bool, lru: int, own: int, clock: int) -> bool:
-        """Whether to take victims in the own order after a release whose sampled keys the
-        shadows held `lru` and `own` of, at `clock`."""
-        d = (lru - own) ** 2
-        for w in self.windows:
-            w[0] += lru
-            w[1] += own
-            w[2] += d
-            while clock >= w[4]:
-                w[0] >>= 1
-                w[1] >>= 1
-                w[2] >>= 2
-                w[4] += w[3]
-        (lru, own, var, _, _), (lru_l, own_l, var_l, _, _) = self.windows
-        if use_own:
-            return (lru - own <= self.margin * var ** 0.5
-                    and lru_l - own_l <= LONG_MARGIN * var_l ** 0.5)
-        return own >= lru and own_l >= lru_l
 
 
 class SLRUShadow:

@@ -17,13 +17,13 @@ Frequency says a key is used often, not that it will be used again soon: where s
 (short chats, agent loops), the prefixes of finished sessions carry the highest frequencies and
 outstay the new turns' blocks that LRU keeps (3.8 pp below LRU on chat traffic). So, as `lru2`
 and `predictive` choose their order, the policy runs miniature simulations (Waldspurger et al.,
-USENIX ATC'17): one key in `shadow_sampling` (by a hash; fewer in a small pool: `ShadowDuel`)
-is replayed against two shadow caches of the pool's size scaled by that rate, one in LRU order
-and one running GDSF on the keys (its own `L`). Each counts the sampled keys it held when used;
-the counts halve every history period (`history_ratio` pool sizes of released blocks), a
-second pair every 32 periods, and the pool evicts in GDSF order while its shadow holds at least
-as many as the LRU one in both, in LRU order otherwise (`gdsf_order`). Both shadows are kept up to date, so switching is immediate.
-`shadow_sampling: 0` is the published algorithm alone.
+USENIX ATC'17): one key in `shadow_sampling` (by a hash; fewer in a small pool: `ShadowDuel`) is
+replayed against two shadow caches of the pool's size scaled by that rate, one in LRU order and
+one running GDSF on the keys (its own `L`). Each counts the sampled keys it held when used; the
+counts halve every history period (`history_ratio` pool sizes of released blocks), a second pair
+every 32 periods, and the pool evicts in GDSF order while its shadow holds at least as many as
+the LRU one in both, in LRU order otherwise (`gdsf_order`). Both shadows are kept up to date, so
+switching is immediate. `shadow_sampling: 0` is the published algorithm alone.
 """
 
 from __future__ import annotations

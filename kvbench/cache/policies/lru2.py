@@ -17,10 +17,10 @@ by a hash (one in `shadow_sampling`, fewer in a small pool: `ShadowDuel`), and t
 of every release are replayed against two shadow caches of the pool's size scaled by the same
 rate, one LRU and one LRU-2. Each counts the sampled keys it already held; the counts halve
 every history period (`history_ratio` pool sizes of released blocks, the span uses are
-remembered for), a second pair every 32 periods, and the real pool evicts in LRU-2 order
-while its shadow holds at least as many in both, in LRU order otherwise. Both orders are kept up to date, so switching is immediate. The shadows see keys, not
-chains (a sampled key can hit there after its parent left): an estimate of each order's hit
-rate, not a replay.
+remembered for), a second pair every 32 periods, and the real pool evicts in LRU-2 order while
+its shadow holds at least as many in both, in LRU order otherwise. Both orders are kept up to
+date, so switching is immediate. The shadows see keys, not chains (a sampled key can hit there
+after its parent left): an estimate of each order's hit rate, not a replay.
 
 No parameter describes the traffic: `history_ratio` is how long uses are remembered (LRU-K's
 retained information period), a multiple of the pool size as for every policy here, and it

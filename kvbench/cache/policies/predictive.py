@@ -14,8 +14,8 @@ LRU; the more the classes differ on the traffic, the further the policy departs 
 Outcomes are learnt only when they happen: a use still inside its horizon has not counted as
 a miss yet, so early estimates lean low for every class alike.
 
-How far to depart is measured, not assumed. A class's `p` says a key used k times is likely
-used again, not when: on traffic where sessions end (agent loops, short chats), the prefixes of
+How far to depart is measured, not assumed. A class's `p` says a key used k times is likely used
+again, not when: on traffic where sessions end (agent loops, short chats), the prefixes of
 finished sessions carry the highest classes and would outstay the new turns' blocks that LRU
 keeps, losing several points to LRU. So, as `lru2` chooses its order, the policy runs miniature
 simulations (Waldspurger et al., USENIX ATC'17): one key in `shadow_sampling` (by a hash; fewer
@@ -23,8 +23,8 @@ in a small pool: `ShadowDuel`) is replayed against two shadow caches of the pool
 by that rate, one in LRU order and one in this policy's order with the whole boost. Each counts
 the sampled keys it held when used; the counts halve every history period (`history_ratio` pool
 sizes of released blocks), a second pair every 32 periods, and the pool applies the boost while
-its shadow holds at least as many as the LRU one in both, LRU order otherwise (`boosting`). Both shadows are kept up to date, so
-switching is immediate.
+its shadow holds at least as many as the LRU one in both, LRU order otherwise (`boosting`). Both
+shadows are kept up to date, so switching is immediate.
 
 Prefix trees: a block's class is capped at its parent's (from the same release) and `p` is
 made non-decreasing over the classes (a running maximum), so a child never outranks its parent

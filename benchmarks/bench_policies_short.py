@@ -23,6 +23,7 @@ from pathlib import Path
 from kvbench.cache.policies import POLICY_NAMES
 from kvbench.config import load_workload
 from kvbench.errors import InputError
+from kvbench.modes.common import References
 from kvbench.runner import run_workload
 
 SIZES = ((120, 12), (400, 40), (1000, 20))
@@ -49,9 +50,11 @@ def main() -> None:
             cell = f"{gen} {requests} {users} {tpb} {tokens} {seed}"
             path.write_text(_workload(gen, requests, users, tpb, tokens, seed))
             row = []
+            refs = References()  # the LRU run and the offline references once per cell
             try:
                 for p in policies:
-                    m = run_workload(load_workload(path, [f"cache.eviction_policy={p}"]))[0]
+                    m = run_workload(load_workload(path, [f"cache.eviction_policy={p}"]),
+                                     references=refs)[0]
                     lru = m.metrics["lru_hit_rate"]
                     d = 100 * (m.metrics["hit_rate"] - lru)
                     diffs[p].append((d, cell))

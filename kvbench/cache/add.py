@@ -71,7 +71,9 @@ class AddPath:
         return len(full) * self.tpb + (partial[1] if partial is not None else 0)
     def add_sequence(self, request: Request) -> CacheSeq:
         """Match, claim and onboard the request's reusable prefix (the sequential path)."""
-        seq = self.claim_match(request, *self.match(request))
+        full, partial = self.match(request)
+        self.gpu.free_queue.note_prompt(request, full)
+        seq = self.claim_match(request, full, partial)
         self._onboard(seq)
         self._moved.clear()
         return seq
@@ -79,7 +81,12 @@ class AddPath:
     def add_sequences(self, requests: list[Request]) -> list[CacheSeq]:
         """The two-phase batched add: claim the matches of all `requests` (phase 1), then
         onboard each (phase 2). Phase 2 may evict only blocks no request of the batch matched."""
-        seqs = [self.claim_match(r, *self.match(r)) for r in requests]
+        note = self.gpu.free_queue.note_prompt
+        seqs = []
+        for r in requests:
+            full, partial = self.match(r)
+            note(r, full)
+            seqs.append(self.claim_match(r, full, partial))
         for seq in seqs:
             self._onboard(seq)
         self._moved.clear()

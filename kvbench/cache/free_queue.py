@@ -118,6 +118,10 @@ class FreeQueue:
             self._nonempty &= ~(1 << level)
         return level
 
+    def note_prompt(self, request, matched: list[BlockId]) -> None:
+        """A request being added and the blocks its match found (`policies/base.py`): LRU's
+        order does not use them."""
+
     def remove_many(self, blocks: list[BlockId]) -> None:
         """`remove` of each of `blocks` (a match's claims), in one call."""
         level, nxt, prv = self._level, self._next, self._prev

@@ -219,6 +219,8 @@ class WindowedCacheManager(WindowPages, WindowCounters):
         claimed = []
         for r in requests:
             reuse, matches = self.match(r)
+            for m, (full, _) in zip(self.managers, matches):
+                m.gpu.free_queue.note_prompt(r, full)
             seqs = [m.claim_match(r, full, partial)
                     for m, (full, partial) in zip(self.managers, matches)]
             claimed.append((r, reuse, seqs))

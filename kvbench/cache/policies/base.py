@@ -4,9 +4,12 @@ per-class FIFO queues ordered by a score.
 An eviction policy owns the free blocks of one GPU pool that still cache reusable data (the
 role `FreeQueue` plays for LRU, with the calls the manager makes): `push_back_many` when a
 sequence releases blocks (in the order the manager frees them: a sequence's deepest block
-first), `push_back` when a claim is undone, `remove_many` when a match's blocks are claimed
-(hits, or a partial match being taken), `pop_front_many` to choose victims, `requeue` when
-a block's retention ends (another level; not a use), and `__len__` / `__contains__`.
+first), `push_back` when a claim is undone, `note_prompt` with a request being added and the
+blocks its match found (a policy that judges its order by the reuse it would give judges
+there: `ShadowDuel`),
+`remove_many` when a match's blocks are claimed (hits, or a partial match being taken),
+`pop_front_many` to choose victims, `requeue` when a block's retention ends (another level;
+not a use), and `__len__` / `__contains__`.
 Retention priorities come first with every policy: victims are taken from the lowest priority
 level holding a free block, and a policy only orders the blocks inside a level (so
 traffic-carried priorities and durations compose with any policy).
@@ -30,6 +33,7 @@ from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId, BlockKey
 from ..radix import _KEY, _POSITION, _SOURCE, PrefixIndex
 from .run_queue import RunQueue
+from .shadows import ShadowDuel, reusable_keys
 
 
 _NO_BOUND = 1 << 62
@@ -373,7 +377,7 @@ class ClassQueuePolicy:
     outranks its parent only if a lower class can score higher than a higher one at the same
     stamp (subclasses keep head scores monotone in the class)."""
 
-    __slots__ = ("index", "capacity", "num_classes", "queue", "remove_many", "_live")
+    __slots__ = ("index", "capacity", "num_classes", "queue", "remove_many", "_live", "shadows")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
                  num_classes: int) -> None:
@@ -386,12 +390,20 @@ class ClassQueuePolicy:
         self._live: dict[int, tuple[list[int], list[int]]] = {}
         """By `level << num_classes | mask of its non-empty classes`: those classes and their
         FIFOs, ascending (a level holds blocks of most classes: gdsf ~14 of 17)."""
+        self.shadows: ShadowDuel | None = None
+        """The duel between LRU's order and the subclass's (`ShadowDuel`), where it runs
+        one; None: always its own."""
 
     def __len__(self) -> int:
         return len(self.queue)
 
     def __contains__(self, block: BlockId) -> bool:
         return block in self.queue
+
+    def note_prompt(self, request, matched: list[BlockId]) -> None:
+        if self.shadows:
+            self.shadows.judge(reusable_keys(request, self.index.tpb), matched,
+                               self.__contains__)
 
     def push_back(self, block: BlockId, priority: int) -> None:
         self.push_back_many([block], priority)

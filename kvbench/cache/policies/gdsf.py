@@ -19,17 +19,17 @@ outstay the new turns' blocks that LRU keeps (3.8 pp below LRU on chat traffic).
 and `predictive` choose their order, the policy runs miniature simulations (Waldspurger et al.,
 USENIX ATC'17): one key in `shadow_sampling` (by a hash; fewer in a small pool: `ShadowDuel`) is
 replayed against two shadow caches of the pool's size scaled by that rate, one in LRU order and
-one running GDSF on the keys (its own `L`). Each counts the sampled keys it held when used; the
-counts halve every history period (`history_ratio` pool sizes of released blocks), a second pair
-every 32 periods, and the pool evicts in GDSF order while its shadow holds at least as many as
-the LRU one in both, in LRU order otherwise (`gdsf_order`). Both shadows are kept up to date, so
-switching is immediate. `shadow_sampling: 0` is the published algorithm alone.
+one running GDSF on the keys (its own `L`). Each counts the sampled keys of a prompt it holds
+when the prompt is matched; the counts halve every history period (`history_ratio` pool sizes of
+released blocks), a second pair every 32 periods, and the pool evicts in GDSF order while its
+shadow holds at least as many as the LRU one in both, in LRU order otherwise (`gdsf_order`).
+Both shadows are kept up to date, so switching is immediate. `shadow_sampling: 0` is the
+published algorithm alone.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import deque
 from dataclasses import dataclass
 from heapq import heappop, heappush
 from itertools import compress
@@ -42,7 +42,7 @@ from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, chain_keys, tick_entries
 from .runs import compact_runs
-from .shadows import ShadowDuel
+from .shadows import ShadowDuel, consume
 
 _UNIT = 1024
 """H is kept in 1/1024ths of `freq_weight = 1` (ints compare exactly)."""
@@ -52,7 +52,6 @@ _H_SHIFT = _ORDER_BITS + _CLASS_BITS
 """A shadow run's heap key is `((H << 8 | class) << 64) | first insertion order`."""
 _PRUNE_SLACK = 1024
 """Pushes `_levels` may hold beyond twice those kept at its last pruning."""
-_consume = deque(maxlen=0).extend
 """Runs an iterator to its end at C speed (the shadow's deletions)."""
 
 
@@ -75,7 +74,7 @@ class GDSFPolicy(ClassQueuePolicy):
     `_levels`; H = L + freq_weight x frequency. While the LRU shadow leads, the score is the
     stamp itself: LRU order."""
 
-    __slots__ = ("params", "history", "inflation", "shadows", "gdsf_order", "_weight",
+    __slots__ = ("params", "history", "inflation", "gdsf_order", "_weight",
                  "_counted", "_levels", "_base", "_prune_at", "_shadow")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
@@ -100,12 +99,10 @@ class GDSFPolicy(ClassQueuePolicy):
         self._base = 0
         """The stamp of `_levels[0]`; every queued block's stamp is at least this."""
         self._prune_at = _PRUNE_SLACK
-        self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,
-                                   index.tpb)
-                        if params.shadow_sampling else None)
-        """The LRU shadow and both shadows' counts (the GDSF shadow is `_shadow`); None:
-        always GDSF."""
         self._shadow = _Shadow(self._weight)
+        if params.shadow_sampling:
+            self.shadows = ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,
+                                      index.tpb, self._shadow)
         self.gdsf_order = True
         """The order victims are taken in now (False: LRU)."""
 
@@ -122,13 +119,12 @@ class GDSFPolicy(ClassQueuePolicy):
         duel = self.shadows
         if duel:
             picked = duel.picked(keys)
-            lru = own = 0
             if np.count_nonzero(picked):  # deepest first, as the pool's pushes
                 sampled = keys[picked][::-1].tolist()
                 cap = duel.capacity
-                lru = duel.lru.replay(sampled, cap)
-                own = self._shadow.replay(sampled, caps[picked][::-1].tolist(), cap)
-            self.gdsf_order = duel.own_order(self.gdsf_order, lru, own, hist.clock)
+                duel.lru.replay(sampled, cap)
+                self._shadow.replay(sampled, caps[picked][::-1].tolist(), cap)
+            self.gdsf_order = duel.own_order(self.gdsf_order, hist.clock)
         return self._cuts(caps, top, partial), self._now()
 
     def _now(self) -> int:
@@ -204,17 +200,18 @@ class _Shadow:
     def __len__(self) -> int:
         return len(self.live)
 
-    def replay(self, keys: list, classes: list[int], cap: int) -> int:
+    def __contains__(self, key: int) -> bool:
+        return key in self.live
+
+    def replay(self, keys: list, classes: list[int], cap: int) -> None:
         """Insert a release's `keys` (deepest first; the shadow keeps the list) of `classes`
-        (non-decreasing: capped at the parent's); how many of them were held."""
+        (non-decreasing: capped at the parent's)."""
         live = self.live
         n = len(keys)
-        before = len(live)
         order = self.order
         self.order = order + n
         live.update(zip(keys, range(order + 1, order + n + 1)))
         size = len(live)
-        held = before + n - size
         heap = self.heap
         h0, w = self.inflation << _CLASS_BITS, self.weight << _CLASS_BITS
         c = classes[0]
@@ -247,7 +244,7 @@ class _Shadow:
                     run[3] = end
                     run_keys, orders = run_keys[k:end], orders[k:end]
                 # Keys in a run are distinct: popping one changes no later one's `get`.
-                _consume(map(pop, compress(run_keys, map(eq, map(get, run_keys), orders))))
+                consume(map(pop, compress(run_keys, map(eq, map(get, run_keys), orders))))
                 entries -= end - k
                 if len(live) < size:
                     size = len(live)
@@ -259,7 +256,6 @@ class _Shadow:
         self.entries = entries
         if entries > 4 * size + 256:
             self._compact()
-        return held
 
     def _compact(self) -> None:
         """Drop the stale keys of the runs (heap keys stay)."""

@@ -74,7 +74,7 @@ from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import TICK_SHIFT, KeyHistory, chain_keys, tick_entries
 from .runs import compact_runs
-from .shadows import ShadowDuel
+from .shadows import ShadowDuel, reusable_keys
 
 _LEVEL_BITS = 7
 _LEVEL_MASK = (1 << _LEVEL_BITS) - 1
@@ -116,11 +116,13 @@ class LRU2Policy:
         self.history = KeyHistory(int(params.history_ratio * capacity))
         self.use_lru2 = True
         """The order victims are taken in now (False: LRU)."""
+        self._shadow_lru2: dict = {}
+        """Sampled key -> the insertion order of its live entry in `_shadow_runs`."""
         self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,
-                                   index.tpb)
+                                   index.tpb, self._shadow_lru2)
                         if params.shadow_sampling else None)
-        """The LRU shadow and both shadows' counts (the LRU-2 shadow is kept here); None:
-        always LRU-2."""
+        """The LRU shadow, the LRU-2 one's keys (its order is kept here) and both shadows'
+        counts; None: always LRU-2."""
         # Each per-block int array has a numpy view: one element at a time through the array
         # (a Python int, no numpy scalar), a push or a run at once through the view.
         self._tag = array("q", bytes(8 * id_space))
@@ -145,8 +147,6 @@ class LRU2Policy:
         self._in_runs = [0] * NUM_PRIORITY_LEVELS
         self._nonempty = 0
         self._size = 0
-        self._shadow_lru2: dict = {}
-        """Sampled key -> the insertion order of its live entry in `_shadow_runs`."""
         self._shadow_runs: list[list] = []
         """Heap of `[(rank << 64) | first order, first order, keys, next]`: a release's sampled
         keys of one rank, in insertion order, the first `next` of them gone."""
@@ -185,14 +185,19 @@ class LRU2Policy:
             deep = known[::-1]  # deepest first, as the pool's pushes
             picked = duel.picked(deep)
             keys = deep[picked].tolist()
-            lru, own = (self._shadow(duel, keys, ranks[partial:][picked].tolist()) if keys
-                        else (0, 0))
-            self.use_lru2 = duel.own_order(self.use_lru2, lru, own, hist.clock)
+            if keys:
+                self._shadow(duel, keys, ranks[partial:][picked].tolist())
+            self.use_lru2 = duel.own_order(self.use_lru2, hist.clock)
         self._push_ranked(blocks, ranks, priority)
 
     def push_back(self, block: BlockId, priority: int) -> None:
         """A claim undone (the block was not used): back with the rank it had."""
         self._push_ranked([block], self._ranks[block:block + 1].copy(), priority)
+
+    def note_prompt(self, request, matched: list[BlockId]) -> None:
+        if self.shadows:
+            self.shadows.judge(reusable_keys(request, self.index.tpb), matched,
+                               self.__contains__)
 
     def remove_many(self, blocks: list[BlockId]) -> None:
         """Claims: the blocks are in use."""
@@ -380,21 +385,18 @@ class LRU2Policy:
         self._nonempty &= ~(1 << lv)
         self._fifo_off &= ~(1 << lv)  # an empty FIFO is exact
 
-    def _shadow(self, duel: ShadowDuel, keys: list, ranks: list[int]) -> tuple[int, int]:
+    def _shadow(self, duel: ShadowDuel, keys: list, ranks: list[int]) -> None:
         """Replay a release's sampled keys with their ranks (deepest first, as the pool's
-        pushes) against both shadows, trimming each to its capacity after the release;
-        returns how many each held (LRU's first)."""
+        pushes) into both shadows, trimming each to its capacity after the release."""
         lru2 = self._shadow_lru2
         cap = duel.capacity
-        lru_held = duel.lru.replay(keys, cap)
+        duel.lru.replay(keys, cap)
         # LRU-2: entries in (rank, insertion order); a key used again has a new live entry
-        # (its old one goes stale), so the keys it held already are those it does not add.
+        # (its old one goes stale).
         n = len(keys)
-        before = len(lru2)
         order = self._shadow_order
         self._shadow_order = order + n
         lru2.update(zip(keys, range(order + 1, order + n + 1)))
-        own_held = before + n - len(lru2)
         heap = self._shadow_runs
         i = 0
         while i < n:  # runs of one rank (ranks do not decrease)
@@ -424,7 +426,6 @@ class LRU2Policy:
         self._in_shadow_runs = entries
         if entries > 4 * len(lru2) + 256:
             self._compact_shadow()
-        return lru_held, own_held
 
     def _compact_shadow(self) -> None:
         """Drop the stale keys of the LRU-2 shadow's runs (heap keys stay, as the pool's)."""

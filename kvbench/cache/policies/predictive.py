@@ -21,10 +21,10 @@ keeps, losing several points to LRU. So, as `lru2` chooses its order, the policy
 simulations (Waldspurger et al., USENIX ATC'17): one key in `shadow_sampling` (by a hash; fewer
 in a small pool: `ShadowDuel`) is replayed against two shadow caches of the pool's size scaled
 by that rate, one in LRU order and one in this policy's order with the whole boost. Each counts
-the sampled keys it held when used; the counts halve every history period (`history_ratio` pool
-sizes of released blocks), a second pair every 32 periods, and the pool applies the boost while
-its shadow holds at least as many as the LRU one in both, LRU order otherwise (`boosting`). Both
-shadows are kept up to date, so switching is immediate.
+the sampled keys of a prompt it holds when the prompt is matched; the counts halve every history
+period (`history_ratio` pool sizes of released blocks), a second pair every 32 periods, and the
+pool applies the boost while its shadow holds at least as many as the LRU one in both, LRU order
+otherwise (`boosting`). Both shadows are kept up to date, so switching is immediate.
 
 Prefix trees: a block's class is capped at its parent's (from the same release) and `p` is
 made non-decreasing over the classes (a running maximum), so a child never outranks its parent
@@ -43,11 +43,10 @@ import numpy as np
 from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, chain_keys, tick_entries
-from .shadows import ShadowDuel
+from .shadows import ShadowDuel, consume
 
 # A third shadow at 1/8 of the boost, tried on the shipped traces and on agent-like traffic,
 # gained at most 0.06 pp and slowed the replay by a fifth: the choice is all or nothing.
-_consume = deque(maxlen=0).extend
 """Runs an iterator to its end at C speed (the shadows' deletions)."""
 
 
@@ -72,7 +71,7 @@ class PredictiveParams:
 
 
 class PredictivePolicy(ClassQueuePolicy):
-    __slots__ = ("params", "history", "uses", "reuses", "shadows", "boosting", "_horizon",
+    __slots__ = ("params", "history", "uses", "reuses", "boosting", "_horizon",
                  "_scale", "_shift", "_no_shift", "_next_class", "_shadow_boost")
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
@@ -94,13 +93,11 @@ class PredictivePolicy(ClassQueuePolicy):
         `boosting`; else all 0 (LRU order)."""
         self.boosting = True
         """Whether the pool applies the boost now (False: LRU order)."""
-        # LRU order is a stamp's keys deepest first: the duel's plain LRU shadow.
-        self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,
-                                   index.tpb)
-                        if params.shadow_sampling else None)
-        """The LRU shadow and both shadows' counts (the boosted shadow is `_shadow_boost`);
-        None: always the boost."""
         self._shadow_boost = _Shadow(params.max_class + 1)
+        # LRU order is a stamp's keys deepest first: the duel's plain LRU shadow.
+        if params.shadow_sampling:
+            self.shadows = ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,
+                                      index.tpb, self._shadow_boost)
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
         hist = self.history
@@ -150,10 +147,9 @@ class PredictivePolicy(ClassQueuePolicy):
     def _replay(self, duel: ShadowDuel, keys: np.ndarray, caps: np.ndarray, stamp: int,
                 boosted: list[int]) -> None:
         """Replay a release's sampled keys (`keys` shallowest first, `caps` their capped
-        classes) against the LRU and the boosted shadow, and apply the boost while the duel
+        classes) into the LRU and the boosted shadow, and apply the boost while the duel
         chooses it (`ShadowDuel.own_order`)."""
         picked = duel.picked(keys)
-        lru = own = 0
         if np.count_nonzero(picked):
             sampled = keys[picked][::-1].tolist()  # deepest first, as the pool's pushes
             caps = caps[picked]
@@ -166,9 +162,9 @@ class PredictivePolicy(ClassQueuePolicy):
                     runs.append((c, at, at + k))
                     at += k
             cap = duel.capacity
-            lru = duel.lru.replay(sampled, cap)
-            own = self._shadow_boost.replay(sampled, runs, stamp, boosted, cap)
-        self.boosting = duel.own_order(self.boosting, lru, own, self.history.clock)
+            duel.lru.replay(sampled, cap)
+            self._shadow_boost.replay(sampled, runs, stamp, boosted, cap)
+        self.boosting = duel.own_order(self.boosting, self.history.clock)
 
     def _now(self) -> int:
         return self.history.clock
@@ -210,17 +206,17 @@ class _Shadow:
     def __len__(self) -> int:
         return len(self.live)
 
+    def __contains__(self, key: int) -> bool:
+        return key in self.live
+
     def replay(self, keys: list, runs: list[tuple[int, int, int]], stamp: int,
-               shift: list[int], cap: int) -> int:
-        """Insert a release's `keys` (deepest first), `runs` of them `(class, start, end)`;
-        how many of them were held."""
+               shift: list[int], cap: int) -> None:
+        """Insert a release's `keys` (deepest first), `runs` of them `(class, start, end)`."""
         live = self.live
         n = len(keys)
-        before = len(live)
         order = self.order + 1
         self.order = order + n - 1
         live.update(zip(keys, range(order, order + n)))
-        held = before + n - len(live)
         fifos = self.runs
         for c, i, j in runs:
             fifos[c].append([stamp, range(order + i, order + j), keys[i:j], 0])
@@ -240,7 +236,7 @@ class _Shadow:
             end = min(len(run_keys), k + over)
             part = run_keys[k:end]
             gone = list(compress(part, map(eq, map(get, part), orders[k:end])))
-            _consume(map(pop, gone))
+            consume(map(pop, gone))
             over -= len(gone)
             self.entries -= end - k
             if end == len(run_keys):
@@ -249,7 +245,6 @@ class _Shadow:
                 run[3] = end
         if self.entries > 4 * len(live) + 256:
             self._compact()
-        return held
 
     def _compact(self) -> None:
         """Drop the stale keys of the runs."""

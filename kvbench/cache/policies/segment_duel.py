@@ -10,10 +10,10 @@ fed a release's sampled keys deepest first) and `ReleaseOrder`, the pool's free 
 release order, which the pool evicts from while LRU leads.
 
 The shadows see keys, not chains, so a sampled key can be held there after its parent left;
-both count a release's held keys from its root down to the first missing one (`held_chain`),
-as a prefix match would reuse them. They trim to their capacity after each release where the
-pool evicts on demand: an estimate of each order's hit rate, not a replay, as the LRU shadow
-is.
+the duel counts a prompt's held keys from its root down to the first missing one
+(`held_chain`), as a prefix match would reuse them. They trim to their capacity after each
+release where the pool evicts on demand: an estimate of each order's hit rate, not a replay,
+as the LRU shadow is.
 """
 
 from __future__ import annotations
@@ -164,8 +164,8 @@ class ReleaseOrder:
 
 
 def held_chain(held: list) -> int:
-    """How many of a release's keys (deepest first), from its root down, were held before the
-    first that was not (`held`: whether each was): the keys a prefix match reuses. Counting
+    """How many of a prompt's keys (deepest first), from its root down, are held before the
+    first that is not (`held`: whether each is): the keys a prefix match reuses. Counting
     every held key credited S3-FIFO, whose main FIFO keeps deep keys after their parents
     leave, with hits the pool cannot get (agent-like traffic at 128K tokens, switching on any
     lead: S3-FIFO 0.81 points under LRU counting every held key, 0.36 counting chains)."""
@@ -194,9 +194,12 @@ class SLRUShadow:
     def __len__(self) -> int:
         return len(self.probation) + len(self.protected)
 
-    def replay(self, keys: list, seen: list[bool], cap: int) -> int:
+    def __contains__(self, key: int) -> bool:
+        return key in self.protected or key in self.probation
+
+    def replay(self, keys: list, seen: list[bool], cap: int) -> None:
         """Use a release's `keys` (deepest first) with whether each was `seen` before; trim
-        to `cap` keys; how many of them were held from the root down (`held_chain`)."""
+        to `cap` keys."""
         prob, prot = self.probation, self.protected
         # The held keys by a pass in C over each segment's keys (most releases hold some: a
         # shared prefix), then a step per held key.
@@ -207,13 +210,7 @@ class SLRUShadow:
         for k in in_prob:
             del prob[k]
         held |= in_prob
-        if held:
-            was = [k in held for k in keys]
-            hits = held_chain(was)
-            up = [s or w for s, w in zip(seen, was)]
-        else:
-            hits = 0
-            up = seen
+        up = [s or k in held for s, k in zip(seen, keys)] if held else seen
         prot.update(zip(compress(keys, up), repeat(1)))
         prob.update(zip(compress(keys, map(not_, up)), repeat(1)))
         over = len(prot) - int(self.ratio * cap)
@@ -231,7 +228,6 @@ class SLRUShadow:
                 over -= len(gone)
                 if not over:
                     break
-        return hits
 
 
 class S3FIFOShadow:
@@ -256,12 +252,13 @@ class S3FIFOShadow:
     def __len__(self) -> int:
         return len(self.small) + len(self.main)
 
-    def replay(self, keys: list, cap: int) -> int:
-        """Use a release's `keys` (deepest first); trim to `cap` keys; how many of them were
-        held from the root down (`held_chain`)."""
+    def __contains__(self, key: int) -> bool:
+        return key in self.small or key in self.main
+
+    def replay(self, keys: list, cap: int) -> None:
+        """Use a release's `keys` (deepest first); trim to `cap` keys."""
         small, main, top = self.small, self.main, self.top
         ghost = self.ghosts.contains(keys)
-        hits = 0  # held keys since the last one that was not: the chain's, at the end
         if small.keys().isdisjoint(keys) and main.keys().isdisjoint(keys):
             # Mostly none is held (one pass in C each): the new keys at once, in order
             # within each FIFO.
@@ -272,14 +269,11 @@ class S3FIFOShadow:
             f = small.pop(k, -1)
             if f >= 0:
                 small[k] = f + 1 if f < top else top
-                hits += 1
                 continue
             f = main.pop(k, -1)
             if f >= 0:
                 main[k] = f + 1 if f < top else top
-                hits += 1
                 continue
-            hits = 0
             if g:
                 main[k] = 0
             else:
@@ -287,7 +281,6 @@ class S3FIFOShadow:
         over = len(small) + len(main) - cap
         if over > 0:
             self._trim(over, max(1, int(self.ratio * cap)))
-        return hits
 
     def _trim(self, over: int, target: int) -> None:
         """Evict `over` keys, a batch of heads at a time (one scan from a dict's front per

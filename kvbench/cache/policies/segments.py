@@ -29,7 +29,7 @@ from ..radix import PrefixIndex
 from .base import KeyHistory, chain_keys, record_key, tick_entries
 from .run_queue import RunQueue
 from .segment_duel import ReleaseOrder, S3FIFOShadow, SLRUShadow, held_chain
-from .shadows import ShadowDuel
+from .shadows import ShadowDuel, reusable_keys
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
 """FIFO mask of the first queue (class 0) at every level."""
@@ -74,8 +74,13 @@ def _spread_array(index: PrefixIndex, blocks: list[BlockId]) -> tuple[np.ndarray
     """`chain_keys` spread: the full blocks' spread keys shallowest first (int64), and
     whether the deepest block is partial."""
     known, partial = chain_keys(index, blocks)
-    u = known.view(np.uint64)
-    return (u ^ (u >> _SPREAD)).view(np.int64), partial
+    return _spread(known), partial
+
+
+def _spread(keys: np.ndarray) -> np.ndarray:
+    """`spread_key` of each of `keys` (int64)."""
+    u = keys.view(np.uint64)
+    return (u ^ (u >> _SPREAD)).view(np.int64)
 
 
 class _TwoQueues:
@@ -83,7 +88,7 @@ class _TwoQueues:
     `second` one (protected / main, class 1), and which data each block last held."""
 
     __slots__ = ("index", "capacity", "queue", "num_second", "history", "_left", "_rec",
-                 "_out", "_freq", "shadows", "shadow", "use_own", "lru_order")
+                 "_out", "_freq", "shadows", "use_own", "lru_order")
     SWITCH_MARGINS = (0.0, 0.0)
     """How far LRU's shadow count must lead, in standard deviations of the difference, in the
     duel's window and its long one, before the pool leaves its own order for LRU's (0: any
@@ -96,12 +101,12 @@ class _TwoQueues:
         self.queue = RunQueue(id_space, 2 * NUM_PRIORITY_LEVELS)
         self.num_second = 0
         """Blocks in the second queue."""
-        self.shadows = (ShadowDuel(capacity, sampling, period, index.tpb, self.SWITCH_MARGINS)
+        self.shadows = (ShadowDuel(capacity, sampling, period, index.tpb, shadow, held_chain,
+                                   self.SWITCH_MARGINS)
                         if sampling else None)
-        """The LRU shadow and both shadows' counts (halved every `period` released blocks and
-        every `LONG_WINDOW` periods); None: always the policy's own order."""
-        self.shadow = shadow if sampling else None
-        """The shadow of the policy's own order."""
+        """The LRU shadow, the policy's own (`shadows.own`) and both shadows' counts (halved
+        every `period` released blocks and every `LONG_WINDOW` periods); None: always the
+        policy's own order."""
         self.use_own = True
         """The order victims are taken in now (False: LRU)."""
         self.lru_order = ReleaseOrder(id_space, self.queue) if sampling else None
@@ -215,18 +220,27 @@ class _TwoQueues:
             self.queue.push_run(blocks[cut:] if cut else blocks, 2 * priority + 1, stamp)
             self.num_second += n - cut
 
+    def note_prompt(self, request, matched: list[BlockId]) -> None:
+        if self.shadows:
+            self.shadows.judge(self._shadow_keys(reusable_keys(request, self.index.tpb)),
+                               matched, self.__contains__)
+
+    def _shadow_keys(self, keys: np.ndarray) -> np.ndarray:
+        """Block keys as the shadows hold them."""
+        return keys
+
     def _duel(self, keys: list, seen: list | None, clock: int) -> None:
         """Replay a release's sampled `keys` (deepest first; SLRU: with whether each was
-        `seen` before) against both shadows and choose the order at `clock` (released
-        blocks)."""
+        `seen` before) into both shadows and choose the order at `clock` (released blocks)."""
         duel = self.shadows
-        lru = own = 0
         if keys:
             cap = duel.capacity
-            lru = duel.lru.replay(keys, cap, held_chain)
-            own = (self.shadow.replay(keys, cap) if seen is None
-                   else self.shadow.replay(keys, seen, cap))
-        self.use_own = duel.own_order(self.use_own, lru, own, clock)
+            duel.lru.replay(keys, cap)
+            if seen is None:
+                duel.own.replay(keys, cap)
+            else:
+                duel.own.replay(keys, seen, cap)
+        self.use_own = duel.own_order(self.use_own, clock)
 
     def _pop_lru(self, n: int, firsts: list | None = None) -> list[BlockId]:
         """Up to `n` victims in LRU order (the duel chose it), the second queue's count kept
@@ -240,7 +254,7 @@ class _TwoQueues:
         assert self.queue._check_sanity()
         duel = self.shadows
         if duel:
-            assert len(duel.lru) <= duel.capacity and len(self.shadow) <= duel.capacity
+            assert len(duel.lru) <= duel.capacity and len(duel.own) <= duel.capacity
             assert self.lru_order._check_sanity()
         else:
             assert self.use_own and self.lru_order is None
@@ -474,6 +488,9 @@ class S3FIFOPolicy(_TwoQueues):
         assert all(self.queue.stamp_of(b) <= top for b in range(len(self._freq))
                    if b in self.queue)
         return True
+
+    def _shadow_keys(self, keys: np.ndarray) -> np.ndarray:
+        return _spread(keys)
 
     def push_back_many(self, blocks: list[BlockId], priority: int) -> None:
         spread, partial = _spread_array(self.index, blocks)

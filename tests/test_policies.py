@@ -1149,6 +1149,36 @@ def test_shadow_duel_counts_two_windows_and_favours_the_policy_on_a_tie():
     assert short[:2] == [0, 0] and long_[:2] == [24, 24] and long_[4] == 6400
 
 
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_duel_counts_a_prefix_in_use_as_held_by_both_shadows(name, monkeypatch):
+    """Serve mode: a request matched while another sequence still holds its prefix hits it in
+    either order, though no release has put it in a shadow yet. The duel counts those blocks
+    held by both shadows when the prompt is matched; a prompt whose prefix is only in the
+    shadows (released, not in use) counts what each holds."""
+    monkeypatch.setattr(shadows, "MIN_SHADOW_KEYS", 1)
+    monkeypatch.setattr(shadows, "MIN_SHADOW_TOKENS", 1)
+    params = POLICIES[name][1](shadow_sampling=1)
+    m = KVCacheManager(CacheSpec(2, 32, enable_partial_reuse=False, eviction_policy=name,
+                                 policy_params=params))
+    m.enable_sanity_tracking()
+    duel = m.gpu.free_queue.shadows
+    first = req(list(range(1, 10)))  # 4 full blocks and a partial one
+    running = m.add_sequence(first)
+    assert m.resize(running, 9)
+    m.commit(running, 9)
+    assert duel.windows[0][:2] == [0, 0]  # nothing to reuse: no count
+    second = m.add_sequence(req(list(range(1, 10)) + [42, 43, 44]))
+    assert second.reused_full_blocks == 4
+    assert duel.windows[0][:2] == [4, 4]  # in use: held by both, though no shadow has them
+    m.release(second)
+    m.release(running)
+    assert m._check_sanity() and m.gpu.free_queue._check_sanity()
+    held = duel.windows[0][:2]
+    third = m.add_sequence(req(list(range(1, 10))))  # free now, in both shadows
+    assert third.reused_full_blocks == 4
+    assert duel.windows[0][:2] == [held[0] + 4, held[1] + 4]
+
+
 def test_shadow_duel_samples_fewer_keys_where_the_pool_is_small():
     """Each shadow holds MIN_SHADOW_KEYS keys, and MIN_SHADOW_TOKENS tokens in them, where the
     pool has that many (a shadow of a few hundred keys, or of a few prompts cut into short

@@ -59,10 +59,13 @@ class LRUShadow:
 
 
 MIN_SHADOW_KEYS = 1024
-"""Fewest keys a shadow holds where the pool has that many blocks: one key in 8 of a
-2048-block pool is a 256-key shadow, whose hit counts are mostly noise (on agent-like traffic
-at 128K tokens `predictive` then chose wrong often enough to lose 0.64 pp to LRU; at 1024 keys
-it gains 0.27)."""
+"""Fewest keys a shadow holds where the pool has that many blocks: one key in 8 of a 2048-block
+pool is a 256-key shadow, whose hit counts are mostly noise (on agent-like traffic at 128K
+tokens `predictive` then chose wrong often enough to lose 0.64 pp to LRU; at 1024 keys it gains
+0.27). 4096 made `lru2` in serve mode gain where 2048-key shadows lose (the synthetic trace at
+1M tokens, time_scale 4: +0.60 pp against -0.58), but cost `gdsf` there 0.7 pp, `slru` and
+`gdsf` most of their gain on that trace in cache mode (+0.09 and +0.16 pp against +0.44 and
++0.47), and the policies up to a third of their replay speed."""
 MIN_SHADOW_TOKENS = 1 << 16
 """Fewest tokens a shadow's keys hold, likewise (1024 keys at tokens_per_block 64). Short
 blocks split a prompt into more keys, all hit by one release: as many keys are fewer prompts,

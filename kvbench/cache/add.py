@@ -72,7 +72,7 @@ class AddPath:
     def add_sequence(self, request: Request) -> CacheSeq:
         """Match, claim and onboard the request's reusable prefix (the sequential path)."""
         full, partial = self.match(request)
-        self.gpu.free_queue.note_prompt(request, full)
+        self.note_match(request, full)
         seq = self.claim_match(request, full, partial)
         self._onboard(seq)
         self._moved.clear()
@@ -81,11 +81,10 @@ class AddPath:
     def add_sequences(self, requests: list[Request]) -> list[CacheSeq]:
         """The two-phase batched add: claim the matches of all `requests` (phase 1), then
         onboard each (phase 2). Phase 2 may evict only blocks no request of the batch matched."""
-        note = self.gpu.free_queue.note_prompt
         seqs = []
         for r in requests:
             full, partial = self.match(r)
-            note(r, full)
+            self.note_match(r, full)
             seqs.append(self.claim_match(r, full, partial))
         for seq in seqs:
             self._onboard(seq)
@@ -171,10 +170,7 @@ class AddPath:
         if not self.spec.enable_block_reuse:
             return [], None
         tpb = self.tpb
-        max_tokens = min(max_tokens, request.input_length - (not self.spec.cross_kv))
-        if request.beam_width > 1:
-            # Only the shared context is matched; an unshared last block is every beam's own.
-            max_tokens = min(max_tokens, self._shared_blocks(request) * tpb)
+        max_tokens = min(max_tokens, self._reusable_tokens(request))
         keys = request.block_keys(tpb)
         found = self.index.walk(keys, max_tokens // tpb, first_block)
         full = [NO_BLOCK] * first_block + found if first_block else found
@@ -192,6 +188,13 @@ class AddPath:
                                             or self._partial_usable(partial[0], plan)):
                 partial = None
         return full, partial
+
+    def note_match(self, request: Request, full: list[BlockId]) -> None:
+        """Tell the GPU pool's eviction policy about a request being added: the keys of the
+        prompt blocks a match can reuse and the `full` blocks its match found (a policy that
+        judges its order by the reuse it would give judges there: `ShadowDuel`)."""
+        n = max(self._reusable_tokens(request), 0) // self.tpb
+        self.gpu.free_queue.note_prompt(request.block_keys_array(self.tpb)[:n], full)
 
     def claim_match(self, request: Request, full: list[BlockId],
                     partial: tuple[BlockId, int] | None) -> CacheSeq:
@@ -265,6 +268,15 @@ class AddPath:
         Among equally long partial matches the cache prefers such a block: a copy costs a
         block, and without `copy_on_partial_reuse` it would mean no reuse at all."""
         return self.ref_count[b] == 0 and b < self.gpu.capacity and not self.index.has_children(b)
+
+    def _reusable_tokens(self, request: Request) -> int:
+        """The most tokens a match of `request` reuses: all but the prompt's last, which is
+        always computed (cross-attention KV excepted: it is all reused or written), and with
+        beams only the context they share (an unshared last block is every beam's own)."""
+        most = request.input_length - (not self.spec.cross_kv)
+        if request.beam_width > 1:
+            most = min(most, self._shared_blocks(request) * self.tpb)
+        return most
 
     def _partial_usable(self, b: BlockId, plan: dict | None = None) -> bool:
         shared = (self.ref_count[b] > 0 or self.index.has_children(b) or b >= self.gpu.capacity

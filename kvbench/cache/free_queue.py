@@ -118,8 +118,8 @@ class FreeQueue:
             self._nonempty &= ~(1 << level)
         return level
 
-    def note_prompt(self, request, matched: list[BlockId]) -> None:
-        """A request being added and the blocks its match found (`policies/base.py`): LRU's
+    def note_prompt(self, keys, matched: list[BlockId]) -> None:
+        """A prompt being added and the blocks its match found (`policies/base.py`): LRU's
         order does not use them."""
 
     def remove_many(self, blocks: list[BlockId]) -> None:

@@ -220,7 +220,7 @@ class WindowedCacheManager(WindowPages, WindowCounters):
         for r in requests:
             reuse, matches = self.match(r)
             for m, (full, _) in zip(self.managers, matches):
-                m.gpu.free_queue.note_prompt(r, full)
+                m.note_match(r, full)
             seqs = [m.claim_match(r, full, partial)
                     for m, (full, partial) in zip(self.managers, matches)]
             claimed.append((r, reuse, seqs))

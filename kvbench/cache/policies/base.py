@@ -4,14 +4,14 @@ per-class FIFO queues ordered by a score.
 An eviction policy owns the free blocks of one GPU pool that still cache reusable data (the role
 `FreeQueue` plays for LRU, with the calls the manager makes): `push_back_many` when a sequence
 releases blocks (in the order the manager frees them: a sequence's deepest block first),
-`push_back` when a claim is undone, `note_prompt` with a request being added and the blocks its
-match found (a policy that judges its order by the reuse it would give judges there:
-`ShadowDuel`), `remove_many` when a match's blocks are claimed (hits, or a partial match being
-taken), `pop_front_many` to choose victims, `requeue` when a block's retention ends (another
-level; not a use), and `__len__` / `__contains__`. Retention priorities come first with every
-policy: victims are taken from the lowest priority level holding a free block, and a policy only
-orders the blocks inside a level (so traffic-carried priorities and durations compose with any
-policy).
+`push_back` when a claim is undone, `note_prompt` with the keys of a prompt being added that a
+match can reuse (shallowest first) and the blocks its match found (a policy that judges its
+order by the reuse it would give judges there: `ShadowDuel`), `remove_many` when a match's
+blocks are claimed (hits, or a partial match being taken), `pop_front_many` to choose victims,
+`requeue` when a block's retention ends (another level; not a use), and `__len__` /
+`__contains__`. Retention priorities come first with every policy: victims are taken from the
+lowest priority level holding a free block, and a policy only orders the blocks inside a level
+(so traffic-carried priorities and durations compose with any policy).
 
 Prefix trees: a block is only useful with its whole prefix, and evicting a parent orphans its
 children (they stay indexed, unreachable until the prefix is computed again). Every policy
@@ -32,7 +32,7 @@ from ..free_queue import NUM_PRIORITY_LEVELS
 from ..ids import BlockId, BlockKey
 from ..radix import _KEY, _POSITION, _SOURCE, PrefixIndex
 from .run_queue import RunQueue
-from .shadows import ShadowDuel, reusable_keys
+from .shadows import ShadowDuel
 
 
 _NO_BOUND = 1 << 62
@@ -399,10 +399,9 @@ class ClassQueuePolicy:
     def __contains__(self, block: BlockId) -> bool:
         return block in self.queue
 
-    def note_prompt(self, request, matched: list[BlockId]) -> None:
+    def note_prompt(self, keys: np.ndarray, matched: list[BlockId]) -> None:
         if self.shadows:
-            self.shadows.judge(reusable_keys(request, self.index.tpb), matched,
-                               self.__contains__)
+            self.shadows.judge(keys, matched, self.__contains__)
 
     def push_back(self, block: BlockId, priority: int) -> None:
         self.push_back_many([block], priority)

@@ -52,7 +52,6 @@ _H_SHIFT = _ORDER_BITS + _CLASS_BITS
 """A shadow run's heap key is `((H << 8 | class) << 64) | first insertion order`."""
 _PRUNE_SLACK = 1024
 """Pushes `_levels` may hold beyond twice those kept at its last pruning."""
-"""Runs an iterator to its end at C speed (the shadow's deletions)."""
 
 
 @dataclass(frozen=True, slots=True)

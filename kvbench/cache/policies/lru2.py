@@ -15,12 +15,13 @@ once-used data until its next turn, and it goes first. So the policy measures wh
 the traffic, as miniature simulations do (Waldspurger et al., USENIX ATC'17): keys are sampled
 by a hash (one in `shadow_sampling`, fewer in a small pool: `ShadowDuel`), and the sampled keys
 of every release are replayed against two shadow caches of the pool's size scaled by the same
-rate, one LRU and one LRU-2. Each counts the sampled keys it already held; the counts halve
-every history period (`history_ratio` pool sizes of released blocks, the span uses are
-remembered for), a second pair every 32 periods, and the real pool evicts in LRU-2 order while
-its shadow holds at least as many in both, in LRU order otherwise. Both orders are kept up to
-date, so switching is immediate. The shadows see keys, not chains (a sampled key can hit there
-after its parent left): an estimate of each order's hit rate, not a replay.
+rate, one LRU and one LRU-2. Each counts the sampled keys of a prompt it holds when the prompt
+is matched; the counts halve every history period (`history_ratio` pool sizes of released
+blocks, the span uses are remembered for), a second pair every 32 periods, and the real pool
+evicts in LRU-2 order while its shadow holds at least as many in both, in LRU order otherwise.
+Both orders are kept up to date, so switching is immediate. The shadows see keys, not chains (a
+sampled key can hit there after its parent left): an estimate of each order's hit rate, not a
+replay.
 
 No parameter describes the traffic: `history_ratio` is how long uses are remembered (LRU-K's
 retained information period), a multiple of the pool size as for every policy here, and it
@@ -74,7 +75,7 @@ from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import TICK_SHIFT, KeyHistory, chain_keys, tick_entries
 from .runs import compact_runs
-from .shadows import ShadowDuel, reusable_keys
+from .shadows import ShadowDuel
 
 _LEVEL_BITS = 7
 _LEVEL_MASK = (1 << _LEVEL_BITS) - 1
@@ -194,10 +195,9 @@ class LRU2Policy:
         """A claim undone (the block was not used): back with the rank it had."""
         self._push_ranked([block], self._ranks[block:block + 1].copy(), priority)
 
-    def note_prompt(self, request, matched: list[BlockId]) -> None:
+    def note_prompt(self, keys: np.ndarray, matched: list[BlockId]) -> None:
         if self.shadows:
-            self.shadows.judge(reusable_keys(request, self.index.tpb), matched,
-                               self.__contains__)
+            self.shadows.judge(keys, matched, self.__contains__)
 
     def remove_many(self, blocks: list[BlockId]) -> None:
         """Claims: the blocks are in use."""

@@ -47,7 +47,6 @@ from .shadows import ShadowDuel, consume
 
 # A third shadow at 1/8 of the boost, tried on the shipped traces and on agent-like traffic,
 # gained at most 0.06 pp and slowed the replay by a fifth: the choice is all or nothing.
-"""Runs an iterator to its end at C speed (the shadows' deletions)."""
 
 
 @dataclass(frozen=True, slots=True)

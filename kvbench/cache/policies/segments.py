@@ -29,7 +29,7 @@ from ..radix import PrefixIndex
 from .base import KeyHistory, chain_keys, record_key, tick_entries
 from .run_queue import RunQueue
 from .segment_duel import ReleaseOrder, S3FIFOShadow, SLRUShadow, held_chain
-from .shadows import ShadowDuel, reusable_keys
+from .shadows import ShadowDuel
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
 """FIFO mask of the first queue (class 0) at every level."""
@@ -220,10 +220,9 @@ class _TwoQueues:
             self.queue.push_run(blocks[cut:] if cut else blocks, 2 * priority + 1, stamp)
             self.num_second += n - cut
 
-    def note_prompt(self, request, matched: list[BlockId]) -> None:
+    def note_prompt(self, keys: np.ndarray, matched: list[BlockId]) -> None:
         if self.shadows:
-            self.shadows.judge(self._shadow_keys(reusable_keys(request, self.index.tpb)),
-                               matched, self.__contains__)
+            self.shadows.judge(self._shadow_keys(keys), matched, self.__contains__)
 
     def _shadow_keys(self, keys: np.ndarray) -> np.ndarray:
         """Block keys as the shadows hold them."""

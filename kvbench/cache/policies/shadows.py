@@ -13,18 +13,11 @@ from itertools import islice, repeat
 import numpy as np
 
 consume = deque(maxlen=0).extend
-"""Run an iterator to its end, keeping nothing."""
+"""Runs an iterator to its end at C speed, keeping nothing (the shadows' deletions)."""
 
 SAMPLE_PRIME = np.array(65521, np.int64)
 """Shadow caches take the keys with `key % prime % sampling == 0`: block keys of a trace are
 structured ints (hash id and offset), so their low bits alone would sample unevenly."""
-
-
-def reusable_keys(request, tokens_per_block: int) -> np.ndarray:
-    """The keys of the prompt blocks a match of `request` can reuse (shallowest first): its
-    full blocks short of the prompt's last token, which is always computed."""
-    return request.block_keys_array(tokens_per_block)[
-        :max(request.input_length - 1, 0) // tokens_per_block]
 
 
 class LRUShadow:
@@ -42,9 +35,6 @@ class LRUShadow:
 
     def __len__(self) -> int:
         return len(self.keys)
-
-    def __contains__(self, key: int) -> bool:
-        return key in self.keys
 
     def replay(self, keys: list, cap: int) -> None:
         """Use a release's `keys` (deepest first: at equal recency the deeper goes first)."""

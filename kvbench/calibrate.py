@@ -17,7 +17,8 @@ prices exactly the steps that clock measures (`engine/clock.py: ProfileClock`):
 
 Kernel-level timings flush L2 before every call (a 256 MiB write), since in a real step the
 linear layers' weight reads have evicted everything before attention runs; each figure is
-the median of several calls, timed with CUDA events.
+the median of several calls, timed with CUDA events, each queued whole before its start
+event runs (`Timer`: the host's launch latency is not GPU time).
 """
 
 from __future__ import annotations
@@ -46,13 +47,26 @@ CACHE_BYTES = 16 << 30
 """The calibration cache: the longest prefill's K/V, or this much if more."""
 FLOOR_STEPS = 40
 BANDWIDTH_BYTES = 1 << 30
+SPIN_MS = 1.0
+"""How long the GPU spins before each timed call (`Timer`): longer than a slow host takes to
+queue the call (a 0.1-0.2 ms FlashInfer call on a busy VM), and short beside calibrate's
+minute."""
+SPIN_PROBE_CYCLES = 1 << 20
 
 
 class Timer:
-    """Median GPU time of a call, L2 flushed before each."""
+    """Median GPU time of a call, L2 flushed before each.
+
+    Between the flush and the start event the GPU spins (`SPIN_MS`), so the call's kernels
+    are queued before the clock starts. Otherwise, whenever the host takes longer to queue
+    the call than the GPU takes to flush (about 60 us on an H200; a FlashInfer call's Python
+    takes 0.1-0.2 ms on a busy VM), the GPU idles inside the timed span and small work is
+    timed too slow.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+        self.spin_cycles = _spin_cycles(SPIN_MS)
 
     def __call__(self, fn: Callable[[], object], *, min_calls: int = 5, budget_ms: float = 60.0,
                  flush: bool = True) -> float:
@@ -62,6 +76,7 @@ class Timer:
         while len(times) < min_calls or (sum(times) < budget_ms and len(times) < 25):
             if flush:
                 self.flush.zero_()
+            torch.cuda._sleep(self.spin_cycles)
             s = torch.cuda.Event(enable_timing=True)
             e = torch.cuda.Event(enable_timing=True)
             s.record()
@@ -70,6 +85,19 @@ class Timer:
             e.synchronize()
             times.append(s.elapsed_time(e))
         return statistics.median(times)
+
+
+def _spin_cycles(ms: float) -> int:
+    """GPU clock cycles that `torch.cuda._sleep` spins for about `ms` milliseconds, from one
+    timed spin (after one that loads the kernel)."""
+    torch.cuda._sleep(SPIN_PROBE_CYCLES)
+    s = torch.cuda.Event(enable_timing=True)
+    e = torch.cuda.Event(enable_timing=True)
+    s.record()
+    torch.cuda._sleep(SPIN_PROBE_CYCLES)
+    e.record()
+    e.synchronize()
+    return max(1, int(SPIN_PROBE_CYCLES * ms / s.elapsed_time(e)))
 
 
 class Rig:

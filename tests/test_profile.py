@@ -236,3 +236,47 @@ def test_host_link_metric_uses_the_profile_link(tmp_path, chat, capsys):
     code, _, _ = run_cli(["run", CHAT, *tight, "--json", out, "-q"], capsys)
     preset = json.loads(out.read_text())["runs"][0]["metrics"]
     assert preset["host_link_ms_modeled"] != pytest.approx(m["host_link_ms_modeled"], rel=1e-3)
+
+
+def test_calibrate_timer_queues_each_call_behind_a_spin(monkeypatch):
+    """Every timed call runs flush, spin, start event, the call, end event, in this order on
+    the stream, so the host's launch latency falls inside the spin, not the timed span; the
+    spin lasts SPIN_MS, scaled from a timed probe spin."""
+    from kvbench import calibrate
+
+    log: list = []
+    made = []
+
+    class Event:
+        """Made in pairs, start then end."""
+
+        def __init__(self, enable_timing=False):
+            self.name = ("start", "end")[len(made) % 2]
+            made.append(self)
+
+        def record(self):
+            log.append(self.name)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 0.25  # ms: the probe spin and every timed call
+
+    class Flush:
+        def zero_(self):
+            log.append("flush")
+
+    monkeypatch.setattr(calibrate.torch.cuda, "Event", Event)
+    monkeypatch.setattr(calibrate.torch.cuda, "_sleep", lambda cycles: log.append(cycles))
+    monkeypatch.setattr(calibrate.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(calibrate, "FLUSH_BYTES", 8)
+    timer = calibrate.Timer(calibrate.torch.device("cpu"))
+    assert timer.spin_cycles == int(calibrate.SPIN_PROBE_CYCLES * calibrate.SPIN_MS / 0.25)
+    timer.flush = Flush()
+    log.clear()
+    assert timer(lambda: log.append("call"), min_calls=3, budget_ms=0) == 0.25
+    assert log == ["call"] + ["flush", timer.spin_cycles, "start", "call", "end"] * 3
+    log.clear()
+    timer(lambda: log.append("call"), min_calls=2, budget_ms=0, flush=False)
+    assert log == ["call"] + [timer.spin_cycles, "start", "call", "end"] * 2

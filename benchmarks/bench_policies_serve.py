@@ -13,7 +13,7 @@ the hit rate, LRU's on the same settings (`lru_hit_rate`), the difference in poi
 preemptions and the peak share of the pool in use: under load, sequences hold much of the pool,
 so the cache is what is left, and its size swings with the load. Serve mode has no offline
 optimum, so there is no gap closed. The issue-15 bar (no policy more than 0.5 pp under LRU) is
-met in cache mode (`bench_policies.py`); the README says where serve mode misses it.
+checked in cache mode by `bench_policies.py`; the README gives this benchmark's figures.
 """
 
 from __future__ import annotations

@@ -153,9 +153,9 @@ class HardwareConfig(Section):
     )
 
 
-def _sampling(own: str, always: str):
+def _sampling(own: str, always: str, default: int = 8):
     """The `shadow_sampling` key of a policy whose order duels LRU's (`policies.shadows`)."""
-    return Field(8, ge=0, description=f"One key in this many feeds the LRU and {own} shadows that"
+    return Field(default, ge=0, description=f"One key in this many feeds the LRU and {own} shadows that"
                  f" choose the order (0: always {always}); fewer below 1024 keys or 64K tokens.")
 
 
@@ -215,7 +215,7 @@ class LRU2Config(Section):
     history_ratio: float = Field(
         8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's"
         " blocks; the shadow counts halve every such period.")
-    shadow_sampling: int = _sampling("LRU-2", "LRU-2")
+    shadow_sampling: int = _sampling("LRU-2", "LRU-2", 4)
 
 
 class PolicyConfig(Section):

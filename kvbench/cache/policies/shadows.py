@@ -55,7 +55,8 @@ tokens `predictive` then chose wrong often enough to lose 0.64 pp to LRU; at 102
 0.27). 4096 made `lru2` in serve mode gain where 2048-key shadows lose (the synthetic trace at
 1M tokens, time_scale 4: +0.60 pp against -0.58), but cost `gdsf` there 0.7 pp, `slru` and
 `gdsf` most of their gain on that trace in cache mode (+0.09 and +0.16 pp against +0.44 and
-+0.47), and the policies up to a third of their replay speed."""
++0.47), and the policies up to a third of their replay speed: `lru2` samples one key in 4
+instead (`LRU2Params`)."""
 MIN_SHADOW_TOKENS = 1 << 16
 """Fewest tokens a shadow's keys hold, likewise (1024 keys at tokens_per_block 64). Short
 blocks split a prompt into more keys, all hit by one release: as many keys are fewer prompts,

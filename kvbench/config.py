@@ -155,9 +155,8 @@ class HardwareConfig(Section):
 
 def _sampling(own: str, always: str, default: int = 8):
     """The `shadow_sampling` key of a policy whose order duels LRU's (`policies.shadows`)."""
-    return Field(default, ge=0, description=f"One key in this many feeds the LRU and {own} shadows"
-                 f" that choose the order (0: always {always}); fewer below 1024 keys or 64K"
-                 " tokens.")
+    return Field(default, ge=0, description=f"One key in this many feeds the LRU and {own} shadows that"
+                 f" choose the order (0: always {always}); fewer below 1024 keys or 64K tokens.")
 
 
 class SLRUConfig(Section):

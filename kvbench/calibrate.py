@@ -78,27 +78,28 @@ class Timer:
             if flush:
                 self.flush.zero_()
             torch.cuda._sleep(self.spin_cycles)
-            s = torch.cuda.Event(enable_timing=True)
-            e = torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
+            times.append(_event_ms(fn))
         return statistics.median(times)
+
+
+def _event_ms(fn: Callable[[], object]) -> float:
+    """GPU milliseconds between CUDA events recorded before and after `fn` queues its work
+    (waits for it)."""
+    s = torch.cuda.Event(enable_timing=True)
+    e = torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e)
 
 
 def _spin_cycles(ms: float) -> int:
     """GPU clock cycles that `torch.cuda._sleep` spins for about `ms` milliseconds, from one
     timed spin (after one that loads the kernel)."""
     torch.cuda._sleep(SPIN_PROBE_CYCLES)
-    s = torch.cuda.Event(enable_timing=True)
-    e = torch.cuda.Event(enable_timing=True)
-    s.record()
-    torch.cuda._sleep(SPIN_PROBE_CYCLES)
-    e.record()
-    e.synchronize()
-    return max(1, int(SPIN_PROBE_CYCLES * ms / s.elapsed_time(e)))
+    spun = _event_ms(lambda: torch.cuda._sleep(SPIN_PROBE_CYCLES))
+    return max(1, int(SPIN_PROBE_CYCLES * ms / spun))
 
 
 class Rig:

@@ -63,22 +63,31 @@ class _Ref:
 class _RefDuel:
     """The duel's choice by its definition: both shadows' hits of each prompt at its match
     counted in a window halved every `period` ticks and in one halved every `LONG_WINDOW`
-    periods; the own order while its shadow holds at least as many in both."""
+    periods, with the sum of each prompt's squared difference (quartered at each halving);
+    LRU's order first, the own order once it leads by `ENTRY_MARGIN` times the root of that
+    sum in both, LRU's again once LRU's count is higher in either."""
 
     def __init__(self, period):
         self.periods = [period, shadows.LONG_WINDOW * period]
         self.halve_at = list(self.periods)
-        self.counts = [[0, 0], [0, 0]]
+        self.counts = [[0, 0, 0], [0, 0, 0]]
+        self.own = False
 
     def count(self, lru, own):
-        self.counts = [[a + lru, b + own] for a, b in self.counts]
+        self.counts = [[a + lru, b + own, s + (lru - own) ** 2] for a, b, s in self.counts]
 
     def choose(self, clock):
         for i, period in enumerate(self.periods):
             while clock >= self.halve_at[i]:
-                self.counts[i] = [h // 2 for h in self.counts[i]]
+                a, b, s = self.counts[i]
+                self.counts[i] = [a // 2, b // 2, s // 4]
                 self.halve_at[i] += period
-        return all(own >= lru for lru, own in self.counts)
+        if self.own:
+            self.own = all(own >= lru for lru, own, _ in self.counts)
+        else:
+            self.own = all(own - lru > shadows.ENTRY_MARGIN * s ** 0.5
+                           for lru, own, s in self.counts)
+        return self.own
 
 
 class RefScored(_Ref):
@@ -103,7 +112,7 @@ class RefScored(_Ref):
             self.shadows = [{}, {}]
             self.s_order = 0
             self.duel = _RefDuel(self.hcap)
-            self.boosting = True
+            self.boosting = not self.sampling
             self.bkey = None
         else:
             self.w = int(params.freq_weight * 1024)
@@ -112,7 +121,7 @@ class RefScored(_Ref):
             self.s_gdsf: dict = {}  # key -> (H, class, insertion order)
             self.s_L = self.s_order = 0
             self.duel = _RefDuel(self.hcap)
-            self.boosting = True  # GDSF order (False: LRU)
+            self.boosting = not self.sampling  # GDSF order (False: LRU)
             self.bkey = None
 
     def release(self, blocks, level):
@@ -316,7 +325,7 @@ class RefLRU2(_Ref):
         self.s_lru2: dict = {}
         self.s_order = 0
         self.duel = _RefDuel(self.hcap)
-        self.use_lru2 = True
+        self.use_lru2 = not self.sampling
         self.bkey = None
 
     def release(self, blocks, level):
@@ -971,13 +980,17 @@ def test_second_use_admission_caches_a_prefix_computed_twice(admission, reused):
     assert got == reused
 
 
-@pytest.mark.parametrize("name,victims", [("lru", [(1, 2), (3, 4)]),
-                                          ("lru2", [(3, 4), (5, 6)])])
-def test_lru2_evicts_once_used_data_first(name, victims):
+@pytest.mark.parametrize("name,params,victims", [
+    ("lru", None, [(1, 2), (3, 4)]),
+    ("lru2", LRU2Params(shadow_sampling=0), [(3, 4), (5, 6)]),
+    ("lru2", LRU2Params(), [(1, 2), (3, 4)])])
+def test_lru2_evicts_once_used_data_first(name, params, victims):
     """X X Y Z W V in a pool of 4 blocks of 2 tokens (each prompt one full block and a partial
-    one): LRU evicts X, used twice but least recently; LRU-2 keeps it and evicts the once-used
-    Y, then Z, oldest first."""
-    m = KVCacheManager(CacheSpec(2, 4, enable_partial_reuse=False, eviction_policy=name))
+    one): LRU evicts X, used twice but least recently; LRU-2 alone keeps it and evicts the
+    once-used Y, then Z, oldest first. With its duel (the default) it starts in LRU's order,
+    and one reuse is no lead to leave it for: LRU's victims."""
+    m = KVCacheManager(CacheSpec(2, 4, enable_partial_reuse=False, eviction_policy=name,
+                                 policy_params=params))
     m.enable_sanity_tracking()
     logged = m.gpu.free_queue = LoggedQueue(m.gpu.free_queue, m)
     for toks in ([1, 2, 9], [1, 2, 9], [3, 4, 9], [5, 6, 9], [7, 8, 9], [10, 11, 9]):
@@ -1043,7 +1056,7 @@ def test_lru2_compaction_at_any_time_changes_no_victim():
     three retention levels, through phases where either order leads, gives the reference's
     victims, and the structures stay sane."""
     rng = np.random.default_rng(0)
-    prompts = (_sessions(6, 4, 3) + _hot_and_scans(90)) * 2
+    prompts = (_sessions(6, 4, 3) + _hot_and_scans(180)) * 2
     params = LRU2Params(history_ratio=8.0, shadow_sampling=1)
     m = KVCacheManager(CacheSpec(2, 16, enable_partial_reuse=False, eviction_policy="lru2",
                                  policy_params=params))
@@ -1125,28 +1138,35 @@ def _step(duel, use_own, lru, own, clock):
     return duel.own_order(use_own, clock)
 
 
-def test_shadow_duel_counts_two_windows_and_favours_the_policy_on_a_tie():
+def test_shadow_duel_starts_in_lru_order_and_takes_the_own_on_a_clear_lead():
     """Each prompt's counts add to both windows; the first halves once per period passed
-    (several at once after a long release), the long one every LONG_WINDOW periods. The
-    policy's own order leads while its count is at least LRU's in both (margins 0: the same
-    rule whichever order was taken)."""
+    (several at once after a long release), the long one every LONG_WINDOW periods. The pool
+    starts in LRU's order and takes the own order once its count leads by ENTRY_MARGIN (1)
+    standard deviation of the difference in both windows (the root of the sum of each prompt's
+    squared difference); with margins 0 it leaves as soon as LRU's count is higher in either."""
+    assert shadows.ENTRY_MARGIN == 1
     duel = shadows.ShadowDuel(capacity=80 * 1024, sampling=8, period=100, tokens_per_block=64,
                               own=set())
     assert duel.capacity == 10 * 1024 and duel.sampled.sum() == -(-65521 // 8)
     short, long_ = duel.windows
-    assert _step(duel, True, 0, 0, 0)  # 0 against 0
-    assert not _step(duel, True, 9, 8, 99) and short[:2] == long_[:2] == [9, 8]
-    assert _step(duel, False, 0, 1, 100)  # a tie in both
-    assert short[:2] == [4, 4] and long_[:2] == [9, 9]  # the first halved
-    assert not _step(duel, True, 40, 7, 350)
-    assert short[:2] == [11, 2] and long_[:2] == [49, 16]  # periods at 200 and 300
-    assert not _step(duel, False, 0, 0, 400) and short[:2] == [5, 1]
-    # A lead of the own order in the first window alone is not enough.
-    assert not _step(duel, False, 0, 20, 450) and short[:2] == [5, 21]
-    assert long_[:2] == [49, 36]
+    assert not _step(duel, False, 0, 0, 0)  # 0 against 0: LRU's order
+    assert not _step(duel, False, 0, 5, 10)  # one prompt's 5 is 1 sigma (5), not more
+    assert _step(duel, False, 0, 5, 20)  # two: 10 > sqrt(50)
+    assert short[:3] == long_[:3] == [0, 10, 50]
+    assert _step(duel, True, 5, 5, 30)  # a tie adds no deviation: the own order stays
+    assert not _step(duel, True, 16, 0, 99)  # LRU's 21 against 15: LRU's order
+    assert short[:3] == long_[:3] == [21, 15, 306]
+    # The first window halves at 100 (sums of squares quartered); a tie there is not enough.
+    assert not _step(duel, False, 10, 16, 100)
+    assert short[:3] == [15, 15, 85] and long_[:3] == [31, 31, 342]
+    # A lead of the own order in the first window alone is not enough: 20 > sqrt(317) there,
+    # 20 < sqrt(574) in the long one.
+    assert not _step(duel, False, 0, 6, 150) and not _step(duel, False, 0, 14, 160)
+    assert short[:3] == [15, 35, 317] and long_[:3] == [31, 51, 574]
+    assert _step(duel, False, 0, 20, 170)  # 40 > sqrt(974) in the long one, 40 > 26.8 here
     # 28 halvings of the first window, the long one's first at 32 periods.
-    assert _step(duel, False, 0, 13, 3200)
-    assert short[:2] == [0, 0] and long_[:2] == [24, 24] and long_[4] == 6400
+    assert _step(duel, True, 0, 0, 3200)
+    assert short[:2] == [0, 0] and long_[:2] == [15, 35] and long_[4] == 6400
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
@@ -1217,7 +1237,7 @@ def test_gdsf_duel_matches_the_reference_through_switches(sampling, monkeypatch)
     forth, and every victim is the reference's (its shadows are scans over dicts). The L of
     old pushes is pruned every few pushes here."""
     monkeypatch.setattr(gdsf_policy, "_PRUNE_SLACK", 1)
-    prompts = _sessions(6, 4, 3) + _hot_and_scans(90) + _sessions(6, 6, 4)
+    prompts = _sessions(6, 4, 3) + _hot_and_scans(180) + _sessions(6, 6, 4)
     orders = []
     _against_reference("gdsf", GDSFParams(shadow_sampling=sampling), prompts,
                        lambda policy: orders.append(policy.gdsf_order) or 0)
@@ -1320,8 +1340,8 @@ def test_segments_evict_exactly_as_lru_while_lru_leads(name, slack, monkeypatch)
 def test_s3fifo_leaves_its_order_only_on_a_clear_lead():
     """S3-FIFO goes over to LRU only when LRU's shadow leads by more than its SWITCH_MARGINS in
     standard deviations of the difference, 2 over the duel's window or 1 over the long one, and
-    comes back once its own holds at least as many in both (SLRU: any lead of the duel's counts,
-    both ways). The deviation comes from each prompt's difference: hits held by both shadows
+    comes back, as every policy takes its order, once its own leads by more than ENTRY_MARGIN
+    in both (SLRU leaves on any lead of LRU's count). The deviation comes from each prompt's difference: hits held by both shadows
     cancel, and a run of hits at once (a shared prefix) counts as one draw."""
     index = KVCacheManager(CacheSpec(4, 4096)).index
     policy = S3FIFOPolicy(4096, 4096, index, POLICIES["s3fifo"][1]())
@@ -1330,14 +1350,17 @@ def test_s3fifo_leaves_its_order_only_on_a_clear_lead():
     short, long_ = switch.windows
     margin = S3FIFOPolicy.SWITCH_MARGINS
     assert margin == (2, 1)
-    steps = [([100, 90, 100], [0, 0, 0], True),  # LRU leads by 10 < 2 sqrt(100)
+    steps = [([100, 90, 100], [0, 0, 0], False),  # LRU's order first
+             ([100, 111, 100], [0, 11, 100], True),  # the own leads by 11 > sqrt(100)
+             ([100, 90, 100], [0, 0, 0], True),  # LRU leads by 10 < 2 sqrt(100): stays
              ([200, 100, 900], [0, 0, 0], False),  # by 100 > 2 sqrt(900)
              ([120, 110, 100], [0, 0, 0], False),  # still LRU: its lead is not undone
-             ([110, 110, 0], [0, 0, 0], True),  # own order back on a tie
+             ([110, 110, 0], [0, 0, 0], False),  # a tie does not bring the own order back
+             ([110, 120, 100], [0, 10, 100], False),  # nor a lead of 1 sigma, not more
+             ([110, 121, 100], [0, 11, 100], True),  # more does
              # The long window: LRU leads by 50 > 1 sqrt(1600) there, 5 < 2 sqrt(400) here
              ([100, 95, 400], [1000, 950, 1600], False),
-             ([100, 100, 0], [1000, 950, 1600], False),  # a tie here is not enough
-             ([100, 100, 0], [1000, 1000, 0], True),  # a tie in both is
+             ([100, 130, 400], [1000, 1030, 400], True),  # back: 30 > 20 in both
              ([100, 100, 0], [1000, 960, 1600], True)]  # 40 = 1 sqrt(1600): stays
     for duel_window, long_window, own in steps:
         short[:3], long_[:3] = duel_window, long_window

@@ -21,8 +21,9 @@ USENIX ATC'17): one key in `shadow_sampling` (by a hash; fewer in a small pool: 
 replayed against two shadow caches of the pool's size scaled by that rate, one in LRU order and
 one running GDSF on the keys (its own `L`). Each counts the sampled keys of a prompt it holds
 when the prompt is matched; the counts halve every history period (`history_ratio` pool sizes of
-released blocks), a second pair every 32 periods, and the pool evicts in GDSF order while its
-shadow holds at least as many as the LRU one in both, in LRU order otherwise (`gdsf_order`).
+released blocks), a second pair every 32 periods, and the pool starts in LRU order, evicts in
+GDSF order once its shadow leads the LRU one by a standard deviation of the difference in both,
+and goes back when the LRU one holds more in either (`gdsf_order`, `ShadowDuel.own_order`).
 Both shadows are kept up to date, so switching is immediate. `shadow_sampling: 0` is the
 published algorithm alone.
 """
@@ -102,8 +103,8 @@ class GDSFPolicy(ClassQueuePolicy):
         if params.shadow_sampling:
             self.shadows = ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,
                                       index.tpb, self._shadow)
-        self.gdsf_order = True
-        """The order victims are taken in now (False: LRU)."""
+        self.gdsf_order = not params.shadow_sampling
+        """The order victims are taken in now (False: LRU, where a duel starts)."""
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
         hist = self.history

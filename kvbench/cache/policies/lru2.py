@@ -18,7 +18,8 @@ of every release are replayed against two shadow caches of the pool's size scale
 rate, one LRU and one LRU-2. Each counts the sampled keys of a prompt it holds when the prompt
 is matched; the counts halve every history period (`history_ratio` pool sizes of released
 blocks, the span uses are remembered for), a second pair every 32 periods, and the real pool
-evicts in LRU-2 order while its shadow holds at least as many in both, in LRU order otherwise.
+starts in LRU order and evicts in LRU-2 order once its shadow leads by a standard deviation of
+the difference in both, until the LRU shadow holds more in either (`ShadowDuel.own_order`).
 Both orders are kept up to date, so switching is immediate. The shadows see keys, not chains (a
 sampled key can hit there after its parent left): an estimate of each order's hit rate, not a
 replay.
@@ -104,8 +105,8 @@ class LRU2Params:
 
 class LRU2Policy:
     """Victim: at the lowest retention level, the block with the oldest second-to-last use
-    (rank 0: one use only), ties in push order; or the least recently used block while the
-    LRU shadow holds more of the sampled keys."""
+    (rank 0: one use only), ties in push order; or the least recently used block until the
+    LRU-2 shadow clearly holds more of the sampled keys, and from when the LRU one holds more."""
 
     __slots__ = ("index", "capacity", "params", "history", "use_lru2", "shadows", "_tag",
                  "_tags", "_rank", "_ranks", "_pushed", "_live", "_fifo", "_in_fifo",
@@ -118,8 +119,8 @@ class LRU2Policy:
         self.capacity = capacity
         self.params = params
         self.history = KeyHistory(int(params.history_ratio * capacity))
-        self.use_lru2 = True
-        """The order victims are taken in now (False: LRU)."""
+        self.use_lru2 = not params.shadow_sampling
+        """The order victims are taken in now (False: LRU, where a duel starts)."""
         self._shadow_lru2: dict = {}
         """Sampled key -> the insertion order of its live entry in `_shadow_runs`."""
         self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,

@@ -23,8 +23,9 @@ in a small pool: `ShadowDuel`) is replayed against two shadow caches of the pool
 by that rate, one in LRU order and one in this policy's order with the whole boost. Each counts
 the sampled keys of a prompt it holds when the prompt is matched; the counts halve every history
 period (`history_ratio` pool sizes of released blocks), a second pair every 32 periods, and the
-pool applies the boost while its shadow holds at least as many as the LRU one in both, LRU order
-otherwise (`boosting`). Both shadows are kept up to date, so switching is immediate.
+pool, which starts in LRU order, applies the boost once its shadow leads the LRU one by a
+standard deviation of the difference in both, until the LRU one holds more in either
+(`boosting`, `ShadowDuel.own_order`). Both shadows are kept up to date, so switching is immediate.
 
 Prefix trees: a block's class is capped at its parent's (from the same release) and `p` is
 made non-decreasing over the classes (a running maximum), so a child never outranks its parent
@@ -90,8 +91,8 @@ class PredictivePolicy(ClassQueuePolicy):
         self._shift = self._no_shift
         """Per class: `boost x horizon x p` (an int), non-decreasing over the classes, while
         `boosting`; else all 0 (LRU order)."""
-        self.boosting = True
-        """Whether the pool applies the boost now (False: LRU order)."""
+        self.boosting = not params.shadow_sampling
+        """Whether the pool applies the boost now (False: LRU order, where a duel starts)."""
         self._shadow_boost = _Shadow(params.max_class + 1)
         # LRU order is a stamp's keys deepest first: the duel's plain LRU shadow.
         if params.shadow_sampling:

@@ -2,12 +2,13 @@
 
 `lru2` and `predictive` never lose more than a few tenths of a point to LRU because they run a
 `ShadowDuel`: shadow caches of sampled keys in LRU order and in their own, and the real pool
-evicts in LRU order while the LRU shadow holds more. SLRU and S3-FIFO lose several points to
-LRU on some traffic (agent-like sessions whose prefixes are used twice and then never: both
-keep those in their protected / main segment and push out the new turns that LRU keeps), so
-they run the same duel. Here: the own-order shadows (a key-level simulation of each algorithm,
-fed a release's sampled keys deepest first) and `ReleaseOrder`, the pool's free blocks in
-release order, which the pool evicts from while LRU leads.
+evicts in LRU order until their own shadow clearly leads and while the LRU one holds more.
+SLRU and S3-FIFO lose several points to LRU on some traffic (agent-like sessions whose
+prefixes are used twice and then never: both keep those in their protected / main segment and
+push out the new turns that LRU keeps), so they run the same duel. Here: the own-order
+shadows (a key-level simulation of each algorithm, fed a release's sampled keys deepest first)
+and `ReleaseOrder`, the pool's free blocks in release order, which the pool evicts from while
+LRU's order is taken.
 
 The shadows see keys, not chains, so a sampled key can be held there after its parent left;
 the duel counts a prompt's held keys from its root down to the first missing one

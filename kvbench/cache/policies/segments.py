@@ -10,9 +10,10 @@ queue, and the two-queue logic orders the blocks inside it. A release pushes a s
 deepest block first, so inside a queue children leave before their parents.
 
 Both fall back to LRU as `lru2` does: with `shadow_sampling`, a `ShadowDuel` replays sampled
-keys against an LRU shadow and a shadow of the policy (`segment_duel.py`), and while the LRU
-shadow holds more the pool takes its victims in LRU order (`ReleaseOrder`, kept beside the
-FIFOs), still keeping the FIFOs' own bookkeeping, so switching back is immediate.
+keys against an LRU shadow and a shadow of the policy (`segment_duel.py`), and until the
+policy's shadow leads (and again while the LRU one does) the pool takes its victims in LRU
+order (`ReleaseOrder`, kept beside the FIFOs), still keeping the FIFOs' own bookkeeping, so
+switching is immediate.
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ class _TwoQueues:
         """The LRU shadow, the policy's own (`shadows.own`) and both shadows' counts (halved
         every `period` released blocks and every `LONG_WINDOW` periods); None: always the
         policy's own order."""
-        self.use_own = True
-        """The order victims are taken in now (False: LRU)."""
+        self.use_own = not sampling
+        """The order victims are taken in now (False: LRU, where a duel starts)."""
         self.lru_order = ReleaseOrder(id_space, self.queue) if sampling else None
         """The queued blocks in release order (LRU's): victims while LRU leads."""
         self.history = history
@@ -282,7 +283,8 @@ class SLRUPolicy(_TwoQueues):
     probation. The protected segment is capped at `protected_ratio` of the pool: its LRU block
     is demoted to the probation tail. Victims: probation's LRU first, protected's when
     probation has none at the lowest priority level; or the least recently released block
-    while the LRU shadow holds more of the sampled keys."""
+    until the SLRU shadow clearly holds more of the sampled keys, and from when the LRU one
+    holds more."""
 
     __slots__ = ("params", "_cap")
 
@@ -444,7 +446,8 @@ class S3FIFOPolicy(_TwoQueues):
     FIFO if it was accessed since it entered, else it is evicted and its key becomes a ghost.
     Otherwise from the main FIFO: a head accessed since its last pass gets its count lowered
     and goes back to the tail (second chance), else it is evicted. Or the least recently
-    released block once the LRU shadow holds clearly more of the sampled keys (`ShadowDuel`)."""
+    released block until the S3-FIFO shadow clearly holds more of the sampled keys, and from
+    when the LRU one does (`ShadowDuel`)."""
 
     __slots__ = ("params", "_target", "_keyless", "_released", "_higher")
     # Any lead flipped it back and forth on the synthetic trace (14.59 % at 1M tokens against
@@ -453,7 +456,10 @@ class S3FIFOPolicy(_TwoQueues):
     # led by up to 3 % of its hits all along, and S3-FIFO lost 1.2 and 0.7 points to LRU).
     # Margins of 3 and 2 waited too long on short traces (multi-turn generator, 120 to 2000
     # requests: up to 3.8 pp below LRU); 2 and 1 halve the sum of those losses and move no
-    # figure on the shipped, agent-like, RAG-like or chat traces by more than 0.08 pp.
+    # figure on the shipped, agent-like, RAG-like or chat traces by more than 0.08 pp. With the
+    # duel starting in LRU's order (`shadows.ENTRY_MARGIN`), S3-FIFO gets 15.46 % there; 1
+    # and 0 would leave one short trace more than 0.5 pp below LRU, not three, but cost
+    # 0.13 pp at 256K tokens.
     SWITCH_MARGINS = (2.0, 1.0)
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,

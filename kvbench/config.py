@@ -210,7 +210,7 @@ class PredictiveConfig(Section):
 
 
 class LRU2Config(Section):
-    """LRU-2, or LRU while an LRU shadow cache does better (`cache.eviction_policy: lru2`)."""
+    """LRU-2 once a shadow cache shows it beats LRU, else LRU (`cache.eviction_policy: lru2`)."""
 
     history_ratio: float = Field(
         8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's"

@@ -25,9 +25,10 @@ from pydantic import (
     field_validator,
 )
 
-from kvbench.config_base import Section
+from kvbench.config_base import MAX_RATIO, Section
 from kvbench.config_errors import Origin, describe
 from kvbench.config_keys import BadKey, apply_sets, parse_set, set_dotted, unused_by
+from kvbench.config_policies import PolicyConfig
 from kvbench.config_requests import RequestsConfig
 from kvbench.config_tune import TuneConfig
 from kvbench.errors import InputError
@@ -35,9 +36,6 @@ from kvbench.infile import read_input
 from kvbench.yamlsource import MAX_WORKLOAD_BYTES, parse_yaml, show_value
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp8": 1}
-MAX_RATIO = 1024.0
-"""The largest multiple of the pool a policy or the host tier may size or weigh something by: a
-larger one would allocate beyond any machine's memory or overflow 64-bit scores."""
 
 
 MAX_WINDOW = 2**31 - 1
@@ -151,82 +149,6 @@ class HardwareConfig(Section):
         description="Hardware profile YAML from `kvbench calibrate` (relative to the workload"
         " file): the modeled clock interpolates its measured tables instead of the preset.",
     )
-
-
-def _sampling(own: str, always: str, default: int = 8):
-    """The `shadow_sampling` key of a policy whose order duels LRU's (`policies.shadows`)."""
-    return Field(default, ge=0, description=f"One key in this many feeds the LRU and {own} shadows that"
-                 f" choose the order (0: always {always}); fewer below 1024 keys or 64K tokens.")
-
-
-class SLRUConfig(Section):
-    """Segmented LRU with a ghost history (`cache.eviction_policy: slru`)."""
-
-    protected_ratio: float = Field(
-        0.8, gt=0, lt=1, description="Most of the pool the protected segment may hold.")
-    history_ratio: float = Field(
-        8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
-    shadow_sampling: int = _sampling("SLRU", "SLRU")
-
-
-class S3FIFOConfig(Section):
-    """S3-FIFO (`cache.eviction_policy: s3fifo`)."""
-
-    small_ratio: float = Field(
-        0.1, gt=0, lt=1, description="Share of the pool the small FIFO aims at.")
-    max_freq: int = Field(3, ge=1, le=255, description="Accesses counted per block.")
-    history_ratio: float = Field(
-        1.0, gt=0, le=MAX_RATIO, description="Ghost keys remembered, as a multiple of the pool's blocks.")
-    shadow_sampling: int = _sampling("S3-FIFO", "S3-FIFO")
-
-
-class GDSFConfig(Section):
-    """Depth- and chain-aware GDSF (`cache.eviction_policy: gdsf`)."""
-
-    freq_weight: float = Field(
-        1.0, ge=0, le=MAX_RATIO, description="Score gained per earlier use of the block's key.")
-    max_freq: int = Field(16, ge=1, le=255, description="Uses beyond this count no more.")
-    history_ratio: float = Field(
-        8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
-    shadow_sampling: int = _sampling("GDSF", "GDSF")
-
-
-class PredictiveConfig(Section):
-    """Online-learnt reuse chance per use-count class (`cache.eviction_policy: predictive`)."""
-
-    horizon_ratio: float = Field(
-        16.0, gt=0, le=MAX_RATIO,
-        description="Reuse counts as soon within this many pool sizes of traffic.")
-    boost: float = Field(
-        4.0, ge=0, le=MAX_RATIO,
-        description="Horizons a block with certain reuse is kept past LRU order.")
-    max_class: int = Field(6, ge=1, le=255, description="Use counts told apart (more share the last).")
-    prior: float = Field(0.2, ge=0, le=1, description="Reuse chance of a class with no data.")
-    prior_weight: float = Field(
-        20.0, gt=0, le=1e9, description="Pseudo-uses the prior counts for.")
-    history_ratio: float = Field(
-        8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's blocks.")
-    shadow_sampling: int = _sampling("whole-boost", "the boost")
-
-
-class LRU2Config(Section):
-    """LRU-2 once a shadow cache shows it beats LRU, else LRU (`cache.eviction_policy: lru2`)."""
-
-    history_ratio: float = Field(
-        8.0, gt=0, le=MAX_RATIO, description="Keys remembered, as a multiple of the pool's"
-        " blocks; the shadow counts halve every such period.")
-    shadow_sampling: int = _sampling("LRU-2", "LRU-2", 4)
-
-
-class PolicyConfig(Section):
-    """Parameters of each eviction policy; only the chosen one's are used."""
-
-    slru: SLRUConfig = Field(default_factory=SLRUConfig, description="slru parameters.")
-    s3fifo: S3FIFOConfig = Field(default_factory=S3FIFOConfig, description="s3fifo parameters.")
-    gdsf: GDSFConfig = Field(default_factory=GDSFConfig, description="gdsf parameters.")
-    predictive: PredictiveConfig = Field(
-        default_factory=PredictiveConfig, description="predictive parameters.")
-    lru2: LRU2Config = Field(default_factory=LRU2Config, description="lru2 parameters.")
 
 
 class CacheConfig(Section):

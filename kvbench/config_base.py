@@ -21,6 +21,10 @@ def _require_number(value: Any) -> Any:
 
 Number = Annotated[Union[int, float], BeforeValidator(_require_number)]
 
+MAX_RATIO = 1024.0
+"""The largest multiple of the pool a policy or the host tier may size or weigh something by: a
+larger one would allocate beyond any machine's memory or overflow 64-bit scores."""
+
 
 class Section(BaseModel):
     # strict: YAML already types its scalars, so "32" or true where an int belongs is a mistake.

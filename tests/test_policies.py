@@ -862,6 +862,27 @@ run: {mode: cache, progress: false, seed: 2}
         assert m["hit_rate"] > m["lru_hit_rate"] - 0.005, name
 
 
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_policy_keys_default_to_the_policy_and_reach_its_duel(name):
+    """`cache.policy.<name>.*` default to the policy's own parameters (one default for one
+    thing), and `shadow_entry` reaches the duel: 0 takes the policy's order on any lead."""
+    from kvbench.config import default_workload
+    from kvbench.plan import policy_params
+
+    params_cls = POLICIES[name][1]
+    assert policy_params(default_workload([f"cache.eviction_policy={name}"])) == params_cls()
+    assert params_cls().shadow_entry == shadows.ENTRY_MARGIN == 1
+    for entry, own in ((0, True), (1, False)):
+        params = policy_params(default_workload([f"cache.eviction_policy={name}",
+                                                 f"cache.policy.{name}.shadow_entry={entry}"]))
+        assert params == params_cls(shadow_entry=entry)
+        m = KVCacheManager(CacheSpec(16, 64, eviction_policy=name, policy_params=params))
+        duel = m.gpu.free_queue.shadows
+        assert duel.entry == entry
+        duel.tally(0, 1)  # the policy's shadow held one key more: a lead of 1 sigma
+        assert duel.own_order(False, 0) is own
+
+
 def test_variants_share_the_references_they_have_in_common(tmp_path, monkeypatch):
     """One workload's variants compute the optimal/ideal references once per cache size and
     reuse rules, and the LRU reference once per LRU run, with the results of separate runs."""

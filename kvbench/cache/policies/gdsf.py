@@ -43,7 +43,7 @@ from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, chain_keys, tick_entries
 from .runs import compact_runs
-from .shadows import ShadowDuel, consume
+from .shadows import DuelParams, ShadowDuel, consume
 
 _UNIT = 1024
 """H is kept in 1/1024ths of `freq_weight = 1` (ints compare exactly)."""
@@ -56,7 +56,7 @@ _PRUNE_SLACK = 1024
 
 
 @dataclass(frozen=True, slots=True)
-class GDSFParams:
+class GDSFParams(DuelParams):
     freq_weight: float = 1.0
     """H gained per earlier use of the block's key (L grows by about one victim's H)."""
     max_freq: int = 16
@@ -102,7 +102,7 @@ class GDSFPolicy(ClassQueuePolicy):
         self._shadow = _Shadow(self._weight)
         if params.shadow_sampling:
             self.shadows = ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,
-                                      index.tpb, self._shadow)
+                                      index.tpb, self._shadow, entry=params.shadow_entry)
         self.gdsf_order = not params.shadow_sampling
         """The order victims are taken in now (False: LRU, where a duel starts)."""
 

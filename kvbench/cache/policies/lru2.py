@@ -76,7 +76,7 @@ from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import TICK_SHIFT, KeyHistory, chain_keys, tick_entries
 from .runs import compact_runs
-from .shadows import ShadowDuel
+from .shadows import DuelParams, ShadowDuel
 
 _LEVEL_BITS = 7
 _LEVEL_MASK = (1 << _LEVEL_BITS) - 1
@@ -90,7 +90,7 @@ assert NUM_PRIORITY_LEVELS <= 1 << _LEVEL_BITS
 
 
 @dataclass(frozen=True, slots=True)
-class LRU2Params:
+class LRU2Params(DuelParams):
     history_ratio: float = 8.0
     """Keys remembered, as a multiple of the pool's blocks (LRU-K's retained information
     period; the same default as every policy's ghost history here); the shadow counts halve
@@ -124,7 +124,7 @@ class LRU2Policy:
         self._shadow_lru2: dict = {}
         """Sampled key -> the insertion order of its live entry in `_shadow_runs`."""
         self.shadows = (ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,
-                                   index.tpb, self._shadow_lru2)
+                                   index.tpb, self._shadow_lru2, entry=params.shadow_entry)
                         if params.shadow_sampling else None)
         """The LRU shadow, the LRU-2 one's keys (its order is kept here) and both shadows'
         counts; None: always LRU-2."""

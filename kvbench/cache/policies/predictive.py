@@ -44,14 +44,14 @@ import numpy as np
 from ..ids import BlockId
 from ..radix import PrefixIndex
 from .base import LOW_BYTE, ClassQueuePolicy, KeyHistory, chain_keys, tick_entries
-from .shadows import ShadowDuel, consume
+from .shadows import DuelParams, ShadowDuel, consume
 
 # A third shadow at 1/8 of the boost, tried on the shipped traces and on agent-like traffic,
 # gained at most 0.06 pp and slowed the replay by a fifth: the choice is all or nothing.
 
 
 @dataclass(frozen=True, slots=True)
-class PredictiveParams:
+class PredictiveParams(DuelParams):
     horizon_ratio: float = 16.0
     """Reuse counts as 'soon' within this many pool sizes of released blocks."""
     boost: float = 4.0
@@ -97,7 +97,7 @@ class PredictivePolicy(ClassQueuePolicy):
         # LRU order is a stamp's keys deepest first: the duel's plain LRU shadow.
         if params.shadow_sampling:
             self.shadows = ShadowDuel(capacity, params.shadow_sampling, self.history.capacity,
-                                      index.tpb, self._shadow_boost)
+                                      index.tpb, self._shadow_boost, entry=params.shadow_entry)
 
     def _classify(self, blocks: list[BlockId]) -> tuple[list[tuple[int, int]], int]:
         hist = self.history

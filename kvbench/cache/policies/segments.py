@@ -30,7 +30,7 @@ from ..radix import PrefixIndex
 from .base import KeyHistory, chain_keys, record_key, tick_entries
 from .run_queue import RunQueue
 from .segment_duel import ReleaseOrder, S3FIFOShadow, SLRUShadow, held_chain
-from .shadows import ShadowDuel
+from .shadows import ENTRY_MARGIN, DuelParams, ShadowDuel
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
 """FIFO mask of the first queue (class 0) at every level."""
@@ -96,14 +96,15 @@ class _TwoQueues:
     lead; `ShadowDuel`)."""
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex, history,
-                 sampling: int = 0, period: int = 1, shadow=None) -> None:
+                 sampling: int = 0, period: int = 1, shadow=None,
+                 entry: float = ENTRY_MARGIN) -> None:
         self.index = index
         self.capacity = capacity
         self.queue = RunQueue(id_space, 2 * NUM_PRIORITY_LEVELS)
         self.num_second = 0
         """Blocks in the second queue."""
         self.shadows = (ShadowDuel(capacity, sampling, period, index.tpb, shadow, held_chain,
-                                   self.SWITCH_MARGINS)
+                                   self.SWITCH_MARGINS, entry)
                         if sampling else None)
         """The LRU shadow, the policy's own (`shadows.own`) and both shadows' counts (halved
         every `period` released blocks and every `LONG_WINDOW` periods); None: always the
@@ -266,7 +267,7 @@ class _TwoQueues:
 
 
 @dataclass(frozen=True, slots=True)
-class SLRUParams:
+class SLRUParams(DuelParams):
     protected_ratio: float = 0.8
     """Most of the pool the protected segment may hold."""
     history_ratio: float = 8.0
@@ -294,7 +295,8 @@ class SLRUPolicy(_TwoQueues):
         # The duel's period is the history's, as lru2's: the span over which a use counts
         # as seen before is the span over which the orders are compared.
         super().__init__(id_space, capacity, index, history, params.shadow_sampling,
-                         history.capacity, SLRUShadow(params.protected_ratio))
+                         history.capacity, SLRUShadow(params.protected_ratio),
+                         params.shadow_entry)
         self.params = params
         self._cap = int(params.protected_ratio * capacity)
 
@@ -418,7 +420,7 @@ class GhostKeys:
 
 
 @dataclass(frozen=True, slots=True)
-class S3FIFOParams:
+class S3FIFOParams(DuelParams):
     small_ratio: float = 0.1
     """Share of the pool the small (probation) FIFO aims at."""
     max_freq: int = 3
@@ -456,10 +458,8 @@ class S3FIFOPolicy(_TwoQueues):
     # led by up to 3 % of its hits all along, and S3-FIFO lost 1.2 and 0.7 points to LRU).
     # Margins of 3 and 2 waited too long on short traces (multi-turn generator, 120 to 2000
     # requests: up to 3.8 pp below LRU); 2 and 1 halve the sum of those losses and move no
-    # figure on the shipped, agent-like, RAG-like or chat traces by more than 0.08 pp. With the
-    # duel starting in LRU's order (`shadows.ENTRY_MARGIN`), S3-FIFO gets 15.46 % there; 1
-    # and 0 would leave one short trace more than 0.5 pp below LRU, not three, but cost
-    # 0.13 pp at 256K tokens.
+    # figure on the shipped, agent-like, RAG-like or chat traces by more than 0.08 pp. Entering
+    # S3-FIFO's order on a clear lead (`shadow_entry`), it gets 15.46 % there.
     SWITCH_MARGINS = (2.0, 1.0)
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex,
@@ -468,7 +468,8 @@ class S3FIFOPolicy(_TwoQueues):
         super().__init__(id_space, capacity, index,
                          GhostKeys(int(params.history_ratio * capacity)),
                          params.shadow_sampling, DUEL_PERIOD * capacity,
-                         S3FIFOShadow(params.small_ratio, params.max_freq, ghosts))
+                         S3FIFOShadow(params.small_ratio, params.max_freq, ghosts),
+                         params.shadow_entry)
         if self.shadows:  # the shadow's ghosts: the pool's history at the shadow's scale
             ghosts.capacity = max(1, int(params.history_ratio * self.shadows.capacity))
         self.params = params

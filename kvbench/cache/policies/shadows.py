@@ -8,6 +8,7 @@ whose shadow holds more (`ShadowDuel`). The policies' own shadows live with them
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from itertools import islice, repeat
 
 import numpy as np
@@ -72,13 +73,22 @@ generator with 120 to 1000 requests, where LRU is close to the optimum, the coun
 period swung to the own order often enough that `lru2` lost up to 2.1 pp and `gdsf` 1.9 to
 LRU; with the long window as well, 1.2 and 0.6."""
 ENTRY_MARGIN = 1.0
-"""The own order's lead, in standard deviations of the difference, in both windows, that takes
-the pool off LRU's order, where it starts: a policy earns its order. Taking it on any lead in
+"""The default `shadow_entry`: the own order's lead, in standard deviations of the difference,
+in both windows, that takes the pool off LRU's order, where it starts (a policy earns it). Taking it on any lead in
 both (and starting in it), the policies trailed LRU on the multi-turn generator with 120 to
 1000 requests by up to 2.52 pp, and by more than 0.5 pp in 17 of 230 policy-cells; with 1,
 by up to 1.53 pp, in 7. On the shipped traces every figure moved by at most 0.2 pp but two,
 on the synthetic trace at 1M tokens: `s3fifo` +0.12 pp on LRU, not +0.63, and `lru2` +0.86,
 not +0.30. A margin of 2 left 2 cells but took `slru`'s and `gdsf`'s whole gain there."""
+
+
+@dataclass(frozen=True, slots=True)
+class DuelParams:
+    """What every policy whose order duels LRU's takes (its parameters extend these)."""
+
+    shadow_entry: float = ENTRY_MARGIN
+    """Standard deviations of the difference by which the policy's shadow must lead LRU's, in
+    both windows, before the pool leaves LRU's order for the policy's (0: any lead)."""
 
 
 class ShadowDuel:
@@ -91,8 +101,8 @@ class ShadowDuel:
     the chain from the root down) adds to two windows, halved every `period` ticks and every
     `LONG_WINDOW` periods, so the comparison follows the traffic, not its whole past; at each
     release (`own_order`) the pool, which starts in LRU's order, takes the own order once its
-    shadow leads by `ENTRY_MARGIN` standard deviations of the difference in both, and leaves
-    it when LRU's shadow leads in either.
+    shadow leads by more than `entry` (`ENTRY_MARGIN`) standard deviations of the difference in
+    both, and leaves it when LRU's shadow leads in either.
 
     A prompt is judged when it is matched, as the pool hits or misses it then, and a key
     whose matched block is in use by a running sequence is held in both shadows: it is a hit
@@ -115,10 +125,11 @@ class ShadowDuel:
     S3-FIFO alone."""
 
     __slots__ = ("pool_blocks", "capacity", "sampled", "lru", "own", "count", "margins",
-                 "windows")
+                 "entry", "windows")
 
     def __init__(self, capacity: int, sampling: int, period: int, tokens_per_block: int,
-                 own, count=sum, margins: tuple[float, float] = (0.0, 0.0)) -> None:
+                 own, count=sum, margins: tuple[float, float] = (0.0, 0.0),
+                 entry: float = ENTRY_MARGIN) -> None:
         least = max(MIN_SHADOW_KEYS, MIN_SHADOW_TOKENS // tokens_per_block)
         sampling = max(1, min(sampling, capacity // least))
         self.pool_blocks = capacity
@@ -135,6 +146,9 @@ class ShadowDuel:
         self.margins = margins
         """LRU's lead, in standard deviations, that takes the pool off its own order in the
         first window and in the long one (0: any lead)."""
+        self.entry = entry
+        """The own order's lead, in standard deviations, that takes the pool off LRU's order
+        (`DuelParams.shadow_entry`)."""
         self.windows = [[0, 0, 0, p, p] for p in (period, LONG_WINDOW * period)]
         """Per window: LRU's shadow hits, the own order's, the sum of squares of each
         prompt's difference, the halving period and the next halving."""
@@ -185,4 +199,4 @@ class ShadowDuel:
                 w[4] += w[3]
         if use_own:
             return all(w[0] - w[1] <= m * w[2] ** 0.5 for w, m in zip(self.windows, self.margins))
-        return all(w[1] - w[0] > ENTRY_MARGIN * w[2] ** 0.5 for w in self.windows)
+        return all(w[1] - w[0] > self.entry * w[2] ** 0.5 for w in self.windows)

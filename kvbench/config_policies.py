@@ -22,9 +22,9 @@ def _history(default: float = 8.0, what: str = "Keys", more: str = ""):
 
 def _entry(own: str):
     """The `shadow_entry` key of a policy whose order duels LRU's (`policies.shadows`)."""
-    return Field(1.0, ge=0, le=MAX_RATIO, description=f"Standard deviations of the difference by"
-                 f" which the {own} shadow must lead LRU's, over the last period and over 32, before"
-                 " the pool leaves LRU's order (0: any lead).")
+    return Field(1.0, ge=0, le=MAX_RATIO, description="Standard deviations of the difference"
+                 f" by which the {own} shadow must lead LRU's, over the last period and over 32,"
+                 " before the pool leaves LRU's order (0: any lead).")
 
 
 class SLRUConfig(Section):

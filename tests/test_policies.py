@@ -158,7 +158,7 @@ class RefScored(_Ref):
     def _gdsf_shadows(self, blocks, classes):
         """GDSF's duel: an LRU list and a GDSF dict of the sampled keys (deepest first); the
         GDSF one evicts the lowest (H = its own L + w x class, class, insertion order) while
-        over capacity, L the H of its last victim; GDSF order while it held at least as many."""
+        over capacity, L the H of its last victim; the order as `_RefDuel` chooses it."""
         sampled = [(self.key(b), c) for b, c in zip(blocks, classes)
                    if self.bkey(self.key(b)) % 65521 % self.sampling == 0]
         shadow = self.s_gdsf
@@ -177,7 +177,7 @@ class RefScored(_Ref):
     def _shadows(self, blocks, classes, stamp, full):
         """The LRU and the boosted shadow: sampled keys inserted deepest first, then the
         lowest (stamp + shift, class, insertion order) evicted while over capacity, the shift
-        0 in the LRU one; the boost applies while its shadow held at least as many."""
+        0 in the LRU one; the boost applies when `_RefDuel` chooses it."""
         sampled = [(self.key(b), c) for b, c in zip(blocks, classes)
                    if self.bkey(self.key(b)) % 65521 % self.sampling == 0]
         for share, shadow in zip((0, 1), self.shadows):

@@ -22,8 +22,9 @@ replayed against two shadow caches of the pool's size scaled by that rate, one i
 one running GDSF on the keys (its own `L`). Each counts the sampled keys of a prompt it holds
 when the prompt is matched; the counts halve every history period (`history_ratio` pool sizes of
 released blocks), a second pair every 32 periods, and the pool starts in LRU order, evicts in
-GDSF order once its shadow leads the LRU one by a standard deviation of the difference in both,
-and goes back when the LRU one holds more in either (`gdsf_order`, `ShadowDuel.own_order`).
+GDSF order once its shadow leads the LRU one by more than `shadow_entry` standard deviations of
+the difference in both, and goes back when the LRU one holds more in either (`gdsf_order`,
+`ShadowDuel.own_order`).
 Both shadows are kept up to date, so switching is immediate. `shadow_sampling: 0` is the
 published algorithm alone.
 """

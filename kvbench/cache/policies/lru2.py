@@ -18,8 +18,9 @@ of every release are replayed against two shadow caches of the pool's size scale
 rate, one LRU and one LRU-2. Each counts the sampled keys of a prompt it holds when the prompt
 is matched; the counts halve every history period (`history_ratio` pool sizes of released
 blocks, the span uses are remembered for), a second pair every 32 periods, and the real pool
-starts in LRU order and evicts in LRU-2 order once its shadow leads by a standard deviation of
-the difference in both, until the LRU shadow holds more in either (`ShadowDuel.own_order`).
+starts in LRU order and evicts in LRU-2 order once its shadow leads by more than
+`shadow_entry` standard deviations of the difference in both, until the LRU shadow holds more
+in either (`ShadowDuel.own_order`).
 Both orders are kept up to date, so switching is immediate. The shadows see keys, not chains (a
 sampled key can hit there after its parent left): an estimate of each order's hit rate, not a
 replay.

@@ -23,9 +23,10 @@ in a small pool: `ShadowDuel`) is replayed against two shadow caches of the pool
 by that rate, one in LRU order and one in this policy's order with the whole boost. Each counts
 the sampled keys of a prompt it holds when the prompt is matched; the counts halve every history
 period (`history_ratio` pool sizes of released blocks), a second pair every 32 periods, and the
-pool, which starts in LRU order, applies the boost once its shadow leads the LRU one by a
-standard deviation of the difference in both, until the LRU one holds more in either
-(`boosting`, `ShadowDuel.own_order`). Both shadows are kept up to date, so switching is immediate.
+pool, which starts in LRU order, applies the boost once its shadow leads the LRU one by more
+than `shadow_entry` standard deviations of the difference in both, until the LRU one holds more
+in either (`boosting`, `ShadowDuel.own_order`). Both shadows are kept up to date, so switching
+is immediate.
 
 Prefix trees: a block's class is capped at its parent's (from the same release) and `p` is
 made non-decreasing over the classes (a running maximum), so a child never outranks its parent

@@ -74,12 +74,13 @@ period swung to the own order often enough that `lru2` lost up to 2.1 pp and `gd
 LRU; with the long window as well, 1.2 and 0.6."""
 ENTRY_MARGIN = 1.0
 """The default `shadow_entry`: the own order's lead, in standard deviations of the difference,
-in both windows, that takes the pool off LRU's order, where it starts (a policy earns it). Taking it on any lead in
-both (and starting in it), the policies trailed LRU on the multi-turn generator with 120 to
-1000 requests by up to 2.52 pp, and by more than 0.5 pp in 17 of 230 policy-cells; with 1,
-by up to 1.53 pp, in 7. On the shipped traces every figure moved by at most 0.2 pp but two,
-on the synthetic trace at 1M tokens: `s3fifo` +0.12 pp on LRU, not +0.63, and `lru2` +0.86,
-not +0.30. A margin of 2 left 2 cells but took `slru`'s and `gdsf`'s whole gain there."""
+in both windows, that takes the pool off LRU's order, where it starts (a policy earns it).
+Taking it on any lead in both (and starting in it), the policies trailed LRU on the multi-turn
+generator with 120 to 1000 requests by up to 2.52 pp, and by more than 0.5 pp in 17 of 230
+policy-cells; with 1, by up to 1.53 pp, in 7. On the shipped traces every figure moved by at
+most 0.2 pp but two, on the synthetic trace at 1M tokens: `s3fifo` +0.12 pp on LRU, not
++0.63, and `lru2` +0.86, not +0.30. A margin of 2 left 2 cells but took `slru`'s and `gdsf`'s
+whole gain there."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,10 +20,9 @@ is matched; the counts halve every history period (`history_ratio` pool sizes of
 blocks, the span uses are remembered for), a second pair every 32 periods, and the real pool
 starts in LRU order and evicts in LRU-2 order once its shadow leads by more than
 `shadow_entry` standard deviations of the difference in both, until the LRU shadow holds more
-in either (`ShadowDuel.own_order`).
-Both orders are kept up to date, so switching is immediate. The shadows see keys, not chains (a
-sampled key can hit there after its parent left): an estimate of each order's hit rate, not a
-replay.
+in either (`ShadowDuel.own_order`). Both orders are kept up to date, so switching is immediate.
+The shadows see keys, not chains (a sampled key can hit there after its parent left): an
+estimate of each order's hit rate, not a replay.
 
 No parameter describes the traffic: `history_ratio` is how long uses are remembered (LRU-K's
 retained information period), a multiple of the pool size as for every policy here, and it

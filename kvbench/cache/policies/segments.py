@@ -30,7 +30,7 @@ from ..radix import PrefixIndex
 from .base import KeyHistory, chain_keys, record_key, tick_entries
 from .run_queue import RunQueue
 from .segment_duel import ReleaseOrder, S3FIFOShadow, SLRUShadow, held_chain
-from .shadows import ENTRY_MARGIN, DuelParams, ShadowDuel
+from .shadows import DuelParams, ShadowDuel
 
 _FIRST = int("01" * NUM_PRIORITY_LEVELS, 2)
 """FIFO mask of the first queue (class 0) at every level."""
@@ -96,8 +96,7 @@ class _TwoQueues:
     lead; `ShadowDuel`)."""
 
     def __init__(self, id_space: int, capacity: int, index: PrefixIndex, history,
-                 sampling: int = 0, period: int = 1, shadow=None,
-                 entry: float = ENTRY_MARGIN) -> None:
+                 sampling: int, period: int, shadow, entry: float) -> None:
         self.index = index
         self.capacity = capacity
         self.queue = RunQueue(id_space, 2 * NUM_PRIORITY_LEVELS)
